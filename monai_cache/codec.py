@@ -1,0 +1,651 @@
+"""One encoding for every store: a cached item becomes a small JSON header plus raw, aligned buffers.
+
+The same bytes live in a shared-memory entry (:mod:`monai_cache.shm`) and, wrapped with a checksum and
+optional compression, in a disk file (:mod:`monai_cache.disk`). Nothing here unpickles unless the caller
+explicitly opts in with ``allow_pickle=True``.
+
+Layout of an encoded blob (all integers little endian)::
+
+    offset 0   prefix: magic "MCACHE\\0\\1" (8 bytes), format version (u32), flags (u32),
+               header length (u64), total length (u64), CRC-32 of the header (u32), reserved (u32)
+    offset 40  header: UTF-8 JSON, strict (no NaN literals)
+    aligned    data: the raw buffers, each starting at a multiple of 64 bytes from the blob start
+
+The header is ``{"root": node, "buffers": [[offset, nbytes], ...]}`` where buffer offsets are relative to
+the start of the data area. A *node* is a JSON ``null``, boolean, string, integer, finite float or list
+(a Python list), or an object tagged by its ``"~"`` member:
+
+=====  ==========================================================================================
+tag    meaning
+=====  ==========================================================================================
+``d``  dict: ``"k"`` list of key nodes, ``"v"`` list of value nodes
+``t``  tuple: ``"v"`` list of nodes
+``f``  non-finite float: ``"v"`` is ``"nan"``, ``"inf"`` or ``"-inf"``
+``c``  complex: ``"r"``, ``"i"`` float nodes
+``e``  enum member: ``"c"`` ``"module:QualName"`` (only ``monai.*`` enums are loaded), ``"v"`` value node
+``T``  torch.Tensor  ``"dt"`` dtype name, ``"sh"`` shape, ``"b"`` buffer index or ``"x"`` base64 bytes,
+       optional ``"pm"`` permutation (the stored order is ``tensor.permute(pm)``, restored by the inverse),
+       optional ``"sd"`` stored dtype (lossless or requested downcast), optional ``"dev"`` device
+``M``  monai MetaTensor: like ``T`` plus ``"a"``, a ``d`` node of the tensor's attributes (meta,
+       applied_operations, is_batch, ...)
+``N``  numpy.ndarray: ``"dt"`` numpy dtype string, ``"sh"``, ``"b"``/``"x"``, optional ``"F"`` for Fortran order,
+       optional ``"sd"``
+``n``  numpy scalar: ``"dt"``, ``"x"`` base64 bytes
+``B``  bytes: ``"b"``/``"x"``
+``td`` torch.dtype, ``nd`` numpy dtype: ``"v"`` name
+``P``  pickled value (only with ``allow_pickle=True``): ``"b"``/``"x"``
+=====  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import importlib
+import json
+import math
+import struct
+import sys
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ALIGN",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "CorruptEntryError",
+    "Encoded",
+    "UnsupportedValueError",
+    "decode",
+    "encode",
+]
+
+MAGIC = b"MCACHE\x00\x01"
+FORMAT_VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<8sIIQQII")
+PREFIX_SIZE = _PREFIX.size  # 40
+INLINE_LIMIT = 256  # buffers up to this many bytes go into the header (meta arrays, affines)
+MAX_DEPTH = 64
+MAX_HEADER = 64 << 20
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: dt
+    for name, dt in {
+        "bool": torch.bool,
+        "uint8": torch.uint8,
+        "int8": torch.int8,
+        "int16": torch.int16,
+        "uint16": getattr(torch, "uint16", None),
+        "int32": torch.int32,
+        "uint32": getattr(torch, "uint32", None),
+        "int64": torch.int64,
+        "uint64": getattr(torch, "uint64", None),
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "complex64": torch.complex64,
+        "complex128": torch.complex128,
+    }.items()
+    if dt is not None
+}
+_TORCH_DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+# numpy kinds we store raw: booleans, integers, floats, complex (no objects, strings or structured types).
+_NUMPY_KINDS = frozenset("biufc")
+
+
+class CorruptEntryError(ValueError):
+    """An encoded blob is truncated, damaged, foreign or otherwise not safely decodable."""
+
+
+class UnsupportedValueError(TypeError):
+    """A value in a cached item has a type that the codec cannot store without pickle."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _path_key(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]" if not isinstance(key, enum.Enum) else f"{path}[{key.value!r}]"
+
+
+_ATTR_NAMES = {"_meta": "meta", "_applied_operations": "applied_operations", "_pending_operations": "pending_operations"}
+
+
+@dataclass
+class Encoded:
+    """An item encoded as a header plus raw buffers; nothing is copied until it is written.
+
+    Attributes:
+        header: the JSON header bytes.
+        buffers: the raw buffers (contiguous byte views of the tensors and arrays).
+        offsets: offset of each buffer from the start of the data area.
+        data_offset: where the data area starts in the blob.
+        nbytes: total size of the blob.
+    """
+
+    header: bytes
+    buffers: list[memoryview]
+    offsets: list[int]
+    data_offset: int
+    nbytes: int
+
+    def prefix(self) -> bytes:
+        crc = zlib.crc32(self.header)
+        return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(self.header), self.nbytes, crc, 0)
+
+    def chunks(self) -> Iterator[memoryview | bytes]:
+        """Yield the blob as consecutive pieces (padding included), for ``os.writev`` or a stream."""
+        head = self.prefix() + self.header
+        yield head
+        pos = len(head)
+        for off, buf in zip(self.offsets, self.buffers):
+            start = self.data_offset + off
+            if start > pos:
+                yield bytes(start - pos)
+            yield buf
+            pos = start + buf.nbytes
+        if self.nbytes > pos:
+            yield bytes(self.nbytes - pos)
+
+    def write_into(self, out: memoryview) -> None:
+        """Copy the blob into ``out`` (at least ``nbytes`` long); padding is left as it is in ``out``."""
+        head = self.prefix() + self.header
+        out[: len(head)] = head
+        for off, buf in zip(self.offsets, self.buffers):
+            start = self.data_offset + off
+            out[start : start + buf.nbytes] = buf
+
+    def to_bytes(self) -> bytearray:
+        out = bytearray(self.nbytes)
+        self.write_into(memoryview(out))
+        return out
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor, without copying."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
+    """The smallest dtype that holds every value of ``t`` exactly (bit for bit after casting back), if smaller."""
+    if t.numel() == 0 or t.dtype in (torch.bool, torch.uint8, torch.int8) or t.is_complex():
+        return None
+    if t.dtype.is_floating_point:
+        if not bool(torch.isfinite(t).all()):
+            return None
+        if bool((torch.signbit(t) & (t == 0)).any()):  # -0.0 would come back as +0.0
+            return None
+    lo, hi = (float(v) for v in torch.aminmax(t.reshape(-1)))
+    for cand in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        if cand.itemsize >= t.dtype.itemsize:
+            break
+        info = torch.iinfo(cand)
+        if info.min <= lo and hi <= info.max:
+            if t.dtype.is_floating_point:
+                if torch.equal(t.to(cand).to(t.dtype), t):
+                    return cand
+                break  # non-integral floats: try the float types below
+            return cand
+    if t.dtype in (torch.float32, torch.float64):
+        for cand in (torch.float16, torch.bfloat16, torch.float32):
+            if cand.itemsize >= t.dtype.itemsize:
+                break
+            with np.errstate(over="ignore"):
+                if torch.equal(t.to(cand).to(t.dtype), t):
+                    return cand
+    return None
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool, downcast: bool, lossy: Mapping[str, torch.dtype] | None) -> None:
+        self.allow_pickle = allow_pickle
+        self.downcast = downcast
+        self.lossy = dict(lossy or {})
+        self.buffers: list[memoryview] = []
+        self.offsets: list[int] = []
+        self.keepalive: list[Any] = []  # contiguous copies whose memory the buffers point into
+        self.size = 0
+
+    def _add_buffer(self, node: dict, view: memoryview) -> None:
+        if view.nbytes <= INLINE_LIMIT:
+            node["x"] = base64.b64encode(view).decode("ascii")
+            return
+        self.size = _align(self.size)
+        node["b"] = len(self.buffers)
+        self.buffers.append(view)
+        self.offsets.append(self.size)
+        self.size += view.nbytes
+
+    def _tensor(self, t: torch.Tensor, path: str, top_key: str | None, depth: int) -> dict:
+        from monai.data.meta_tensor import MetaTensor  # local: importing monai is slow
+
+        is_meta = isinstance(t, MetaTensor)
+        node: dict[str, Any] = {"~": "M" if is_meta else "T"}
+        data = t.as_tensor() if is_meta else t
+        data = data.detach()
+        if data.dtype not in _TORCH_DTYPE_NAMES:
+            raise UnsupportedValueError(f"cannot cache {path}: torch dtype {data.dtype} is not supported")
+        if data.device.type != "cpu":
+            node["dev"] = str(data.device)
+            data = data.cpu()
+        node["dt"] = _TORCH_DTYPE_NAMES[data.dtype]
+        node["sh"] = list(data.shape)
+        if not data.is_contiguous() and data.dim() > 1 and _is_dense_permutation(data):
+            perm = sorted(range(data.dim()), key=lambda d: (-data.stride(d), -data.shape[d]))
+            data = data.permute(perm)
+            if data.is_contiguous():
+                node["pm"] = perm
+            else:  # pragma: no cover - defensive, dense permutations are contiguous once permuted
+                data = data.contiguous()
+        else:
+            data = data.contiguous()
+        stored = None
+        if top_key is not None and top_key in self.lossy:
+            stored = self.lossy[top_key]
+        elif self.downcast:
+            stored = _lossless_target(data)
+        if stored is not None and stored != data.dtype:
+            node["sd"] = _TORCH_DTYPE_NAMES[stored]
+            data = data.to(stored)
+        self.keepalive.append(data)
+        self._add_buffer(node, _byte_view(data))
+        if is_meta:
+            attrs = dict(t.__dict__)
+            node["a"] = self._dict(attrs, path, depth + 1, attr=True)
+        return node
+
+    def _ndarray(self, a: np.ndarray, path: str, top_key: str | None) -> dict:
+        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+            return self._fallback(a, path, f"numpy dtype {a.dtype} is not supported")
+        node: dict[str, Any] = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
+        if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
+            node["F"] = True
+            data = a
+        else:
+            data = np.ascontiguousarray(a)
+        if data.dtype.byteorder == ">":
+            node["dt"] = data.dtype.newbyteorder("<").str
+            data = data.astype(data.dtype.newbyteorder("<"))
+        stored = None
+        if top_key is not None and top_key in self.lossy:
+            stored = self.lossy[top_key]
+        elif self.downcast and data.dtype.kind in "iuf" and data.size:
+            stored = _lossless_target(torch.from_numpy(np.ascontiguousarray(data.reshape(-1))))
+        if stored is not None:
+            sd = np.dtype(str(stored).replace("torch.", "")) if stored != torch.bfloat16 else None
+            if sd is not None and sd != data.dtype:
+                node["sd"] = sd.str
+                data = data.astype(sd, order="K")
+        self.keepalive.append(data)
+        self._add_buffer(node, memoryview(data.reshape(-1, order="A")).cast("B"))
+        return node
+
+    def _fallback(self, value: Any, path: str, why: str) -> dict:
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"cannot cache {path}: {why} (type {type(value).__module__}.{type(value).__qualname__}). "
+                "monai_cache stores tensors, numpy arrays, numbers, strings, None, enums and dict/list/tuple "
+                "of these without pickle. Convert the value in a transform before the first random one, "
+                "or pass allow_pickle=True to store it with pickle (only load such caches from trusted sources)."
+            )
+        import pickle
+
+        node: dict[str, Any] = {"~": "P"}
+        self._add_buffer(node, memoryview(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
+        return node
+
+    def _dict(self, d: Mapping, path: str, depth: int, attr: bool = False) -> dict:
+        keys, values = [], []
+        for k, v in d.items():
+            keys.append(self.node(k, f"{path}.<key>", depth + 1))
+            if attr:
+                values.append(self.node(v, f"{path}.{_ATTR_NAMES.get(k, k)}", depth + 1))
+            else:
+                top = k if depth == 0 and isinstance(k, str) else None
+                values.append(self.node(v, _path_key(path, k), depth + 1, top))
+        return {"~": "d", "k": keys, "v": values}
+
+    def node(self, value: Any, path: str, depth: int, top_key: str | None = None) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(f"cannot cache {path}: nested deeper than {MAX_DEPTH} levels (a cycle?)")
+        if value is None or type(value) in (bool, str, int):
+            return value
+        if type(value) is float:
+            if math.isfinite(value):
+                return value
+            return {"~": "f", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(value, enum.Enum):
+            cls = type(value)
+            return {"~": "e", "c": f"{cls.__module__}:{cls.__qualname__}", "v": self.node(value.value, path, depth + 1)}
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path, top_key, depth)
+        if isinstance(value, np.ndarray) and type(value) is np.ndarray:
+            return self._ndarray(value, path, top_key)
+        if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
+            return {"~": "n", "dt": value.dtype.str, "x": base64.b64encode(value.tobytes()).decode("ascii")}
+        if type(value) is dict:
+            return self._dict(value, path, depth)
+        if type(value) is list:
+            return [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return {"~": "t", "v": [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]}
+        if type(value) is complex:
+            return {"~": "c", "r": self.node(value.real, path, depth + 1), "i": self.node(value.imag, path, depth + 1)}
+        if isinstance(value, torch.dtype) and value in _TORCH_DTYPE_NAMES:
+            return {"~": "td", "v": _TORCH_DTYPE_NAMES[value]}
+        if isinstance(value, np.dtype) and value.kind in _NUMPY_KINDS and value.fields is None:
+            return {"~": "nd", "v": value.str}
+        if type(value) is bytes:
+            node: dict[str, Any] = {"~": "B"}
+            self._add_buffer(node, memoryview(value))
+            return node
+        return self._fallback(value, path, "unsupported type")
+
+
+def _is_dense_permutation(t: torch.Tensor) -> bool:
+    """True if ``t`` covers its memory exactly once in some dimension order (a transposed/permuted view)."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+        if t.shape[d] == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def encode(
+    item: Any,
+    *,
+    allow_pickle: bool = False,
+    downcast: bool = False,
+    lossy: Mapping[str, torch.dtype] | None = None,
+) -> Encoded:
+    """Encode ``item`` as a header plus raw buffers (no copy of the tensor data is made).
+
+    Args:
+        item: a nested dict/list/tuple of MetaTensor, Tensor, ndarray, numbers, strings, enums and None.
+        allow_pickle: store values of other types with pickle instead of raising. Readers must opt in too.
+        downcast: store floating and wide integer tensors in the smallest dtype that holds every value
+            exactly (restored bit for bit by :func:`decode`).
+        lossy: ``{top-level key: dtype}``: store the tensors and arrays under that key of a dict item in
+            ``dtype`` even when this loses precision (e.g. ``{"image": torch.float16}``).
+
+    Raises:
+        UnsupportedValueError: naming the key path and type of a value that cannot be stored.
+    """
+    enc = _Encoder(allow_pickle, downcast, lossy)
+    root = enc.node(item, "item", 0)
+    header = json.dumps(
+        {"root": root, "buffers": [[o, b.nbytes] for o, b in zip(enc.offsets, enc.buffers)]},
+        separators=(",", ":"),
+        allow_nan=False,
+    ).encode()
+    data_offset = _align(PREFIX_SIZE + len(header))
+    total = data_offset + (enc.size if enc.buffers else 0)
+    out = Encoded(header, enc.buffers, enc.offsets, data_offset, total)
+    out._keepalive = enc.keepalive  # type: ignore[attr-defined]
+    return out
+
+
+def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
+    """Check the fixed prefix of a blob; return ``(header_length, total_length)``."""
+    if len(buf) < PREFIX_SIZE:
+        raise CorruptEntryError(f"truncated: {len(buf)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
+    magic, version, _flags, hlen, total, _crc, _ = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptEntryError("not a monai_cache entry (bad magic number)")
+    if version != FORMAT_VERSION:
+        raise CorruptEntryError(f"format version {version} is not supported (this monai_cache reads {FORMAT_VERSION})")
+    if hlen > MAX_HEADER or PREFIX_SIZE + hlen > total:
+        raise CorruptEntryError(f"header length {hlen} does not fit the entry")
+    return hlen, total
+
+
+class _Decoder:
+    def __init__(self, data: memoryview, buffers: list, allow_pickle: bool) -> None:
+        self.data = data
+        self.buffers = buffers
+        self.allow_pickle = allow_pickle
+
+    def _bytes(self, node: dict) -> memoryview:
+        if "x" in node:
+            raw = node["x"]
+            if not isinstance(raw, str):
+                raise CorruptEntryError("inline buffer is not a string")
+            try:
+                return memoryview(bytearray(base64.b64decode(raw, validate=True)))
+            except ValueError as e:
+                raise CorruptEntryError(f"bad inline buffer: {e}") from None
+        idx = node.get("b")
+        if type(idx) is not int or not 0 <= idx < len(self.buffers):
+            raise CorruptEntryError(f"buffer index {idx!r} out of range")
+        off, n = self.buffers[idx]
+        return self.data[off : off + n]
+
+    @staticmethod
+    def _shape(node: dict) -> list[int]:
+        shape = node.get("sh")
+        if not isinstance(shape, list) or len(shape) > 64 or not all(type(s) is int and s >= 0 for s in shape):
+            raise CorruptEntryError(f"bad shape {shape!r}")
+        return shape
+
+    def _tensor(self, node: dict) -> torch.Tensor:
+        dtype = _TORCH_DTYPES.get(node.get("dt"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise CorruptEntryError(f"unknown torch dtype {node.get('dt')!r}")
+        stored = dtype
+        if "sd" in node:
+            stored = _TORCH_DTYPES.get(node["sd"])  # type: ignore[assignment]
+            if stored is None:
+                raise CorruptEntryError(f"unknown stored dtype {node['sd']!r}")
+        shape = self._shape(node)
+        perm = node.get("pm")
+        if perm is not None:
+            if not isinstance(perm, list) or sorted(perm) != list(range(len(shape))):
+                raise CorruptEntryError(f"bad permutation {perm!r}")
+            stored_shape = [shape[p] for p in perm]
+        else:
+            stored_shape = shape
+        buf = self._bytes(node)
+        numel = math.prod(stored_shape)
+        if numel * stored.itemsize != buf.nbytes:
+            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} bytes, buffer has {buf.nbytes}")
+        if numel == 0:
+            t = torch.empty(stored_shape, dtype=stored)
+        else:
+            t = torch.frombuffer(buf, dtype=stored).view(stored_shape)
+        if perm is not None:
+            inverse = [0] * len(perm)
+            for i, p in enumerate(perm):
+                inverse[p] = i
+            t = t.permute(inverse)
+        if stored != dtype:
+            t = t.to(dtype)
+        if "dev" in node:
+            t = t.to(str(node["dev"]))
+        if node["~"] == "M":
+            from monai.data.meta_tensor import MetaTensor
+
+            mt = t.as_subclass(MetaTensor)
+            attrs = self.node(node.get("a"), 1)
+            if not isinstance(attrs, dict):
+                raise CorruptEntryError("MetaTensor attributes are not a dict")
+            mt.__dict__.update(attrs)
+            return mt
+        return t
+
+    def _ndarray(self, node: dict) -> np.ndarray:
+        try:
+            dtype = np.dtype(node.get("dt"))
+            stored = np.dtype(node["sd"]) if "sd" in node else dtype
+        except (TypeError, ValueError) as e:
+            raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
+        if dtype.kind not in _NUMPY_KINDS or stored.kind not in _NUMPY_KINDS or dtype.fields or stored.fields:
+            raise CorruptEntryError(f"numpy dtype {dtype} is not allowed")
+        shape = self._shape(node)
+        buf = self._bytes(node)
+        numel = math.prod(shape)
+        if numel * stored.itemsize != buf.nbytes:
+            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} bytes, buffer has {buf.nbytes}")
+        order = "F" if node.get("F") else "C"
+        a = np.frombuffer(buf, dtype=stored, count=numel).reshape(shape, order=order)
+        if stored != dtype:
+            a = a.astype(dtype, order="K")
+        return a
+
+    def node(self, node: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH + 8:
+            raise CorruptEntryError("nesting too deep")
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.node(v, depth + 1) for v in node]
+        if not isinstance(node, dict):
+            raise CorruptEntryError(f"unexpected header node {type(node).__name__}")
+        tag = node.get("~")
+        if tag == "d":
+            keys, values = node.get("k"), node.get("v")
+            if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
+                raise CorruptEntryError("malformed dict node")
+            out = {}
+            for k, v in zip(keys, values):
+                key = self.node(k, depth + 1)
+                try:
+                    out[key] = self.node(v, depth + 1)
+                except TypeError:
+                    raise CorruptEntryError(f"unhashable dict key of type {type(key).__name__}") from None
+            return out
+        if tag in ("T", "M"):
+            return self._tensor(node)
+        if tag == "N":
+            return self._ndarray(node)
+        if tag == "t":
+            values = node.get("v")
+            if not isinstance(values, list):
+                raise CorruptEntryError("malformed tuple node")
+            return tuple(self.node(v, depth + 1) for v in values)
+        if tag == "f":
+            special = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+            if node.get("v") not in special:
+                raise CorruptEntryError(f"bad float {node.get('v')!r}")
+            return special[node["v"]]
+        if tag == "e":
+            return _load_enum(node.get("c"), self.node(node.get("v"), depth + 1))
+        if tag == "n":
+            try:
+                dtype = np.dtype(node.get("dt"))
+            except (TypeError, ValueError) as e:
+                raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
+            raw = self._bytes(node)
+            if dtype.kind not in _NUMPY_KINDS or raw.nbytes != dtype.itemsize:
+                raise CorruptEntryError(f"bad numpy scalar of {dtype}")
+            return np.frombuffer(raw, dtype=dtype)[0]
+        if tag == "c":
+            return complex(self.node(node.get("r"), depth + 1), self.node(node.get("i"), depth + 1))
+        if tag == "td":
+            dt = _TORCH_DTYPES.get(node.get("v"))  # type: ignore[arg-type]
+            if dt is None:
+                raise CorruptEntryError(f"unknown torch dtype {node.get('v')!r}")
+            return dt
+        if tag == "nd":
+            try:
+                ndt = np.dtype(node.get("v"))
+            except (TypeError, ValueError) as e:
+                raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
+            if ndt.kind not in _NUMPY_KINDS:
+                raise CorruptEntryError(f"numpy dtype {ndt} is not allowed")
+            return ndt
+        if tag == "B":
+            return bytes(self._bytes(node))
+        if tag == "P":
+            if not self.allow_pickle:
+                raise CorruptEntryError("entry holds a pickled value and allow_pickle is False; it is not loaded")
+            import pickle
+
+            return pickle.loads(self._bytes(node))  # explicit opt-in
+        raise CorruptEntryError(f"unknown node tag {tag!r}")
+
+
+def _load_enum(spec: Any, value: Any) -> enum.Enum:
+    if not isinstance(spec, str) or ":" not in spec:
+        raise CorruptEntryError(f"bad enum class {spec!r}")
+    module, qualname = spec.split(":", 1)
+    # Only enums of MONAI (or already imported modules) are loaded: importing arbitrary modules runs code.
+    if module not in sys.modules and not (module == "monai" or module.startswith("monai.")):
+        raise CorruptEntryError(f"enum class {spec} is from a module that is not loaded")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        raise CorruptEntryError(f"enum class {spec} not found") from None
+    if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
+        raise CorruptEntryError(f"{spec} is not an enum")
+    try:
+        return obj(value)
+    except ValueError:
+        raise CorruptEntryError(f"{value!r} is not a member of {spec}") from None
+
+
+def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False) -> Any:
+    """Decode a blob produced by :func:`encode`.
+
+    Tensors and arrays are views into ``blob`` (zero-copy) unless their stored dtype differs. Pass a
+    writable buffer (a ``bytearray`` or a copy-on-write ``mmap``) so that in-place writes by later
+    transforms are allowed and never reach the underlying store.
+
+    Args:
+        blob: the encoded bytes.
+        allow_pickle: load values that were stored with pickle. Off by default: a blob that holds a
+            pickled value then raises :class:`CorruptEntryError`.
+
+    Raises:
+        CorruptEntryError: the blob is truncated, damaged, foreign, or asks for something not allowed.
+    """
+    buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
+    hlen, total = read_prefix(buf)
+    if total != buf.nbytes:
+        raise CorruptEntryError(f"entry claims {total} bytes but has {buf.nbytes}")
+    raw_header = buf[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    crc = _PREFIX.unpack_from(buf, 0)[5]
+    if zlib.crc32(raw_header) != crc:
+        raise CorruptEntryError("header checksum mismatch")
+    try:
+        header = json.loads(bytes(raw_header))
+    except (ValueError, RecursionError) as e:
+        raise CorruptEntryError(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or "root" not in header or not isinstance(header.get("buffers"), list):
+        raise CorruptEntryError("header lacks root/buffers")
+    data_offset = _align(PREFIX_SIZE + hlen)
+    data = buf[data_offset:] if data_offset <= total else buf[total:]
+    spans = []
+    for span in header["buffers"]:
+        if (
+            not isinstance(span, list)
+            or len(span) != 2
+            or not all(type(v) is int and v >= 0 for v in span)
+            or span[0] + span[1] > data.nbytes
+        ):
+            raise CorruptEntryError(f"buffer span {span!r} outside the entry")
+        spans.append((span[0], span[1]))
+    end = 0
+    for off, n in sorted(spans):
+        if off < end:
+            raise CorruptEntryError("overlapping buffers")
+        end = off + n
+    try:
+        return _Decoder(data, spans, allow_pickle).node(header["root"], 0)
+    except RecursionError:
+        raise CorruptEntryError("nesting too deep") from None

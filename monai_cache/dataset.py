@@ -1,0 +1,317 @@
+"""Drop-in subclasses of MONAI's caching datasets. Thin glue: storage lives in :mod:`monai_cache.shm`
+(and :mod:`monai_cache.disk`), encoding in :mod:`monai_cache.codec`."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from functools import partial
+from multiprocessing.pool import ThreadPool
+from typing import Any
+
+import numpy as np
+from monai.data import CacheDataset as _MonaiCacheDataset
+from monai.data import Dataset as _MonaiDataset
+from monai.data.meta_obj import get_track_meta
+from monai.data.utils import pickle_hashing
+
+from monai_cache import __version__, codec
+from monai_cache.fingerprint import cacheable_transforms, first_random_index, fingerprint, transforms_fingerprint
+from monai_cache.shm import SharedMemoryStore
+
+try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
+    from tqdm import tqdm
+
+    _has_tqdm = True
+except ImportError:  # pragma: no cover
+    _has_tqdm = False
+
+__all__ = ["CacheDataset"]
+
+
+class _EntryName:
+    """Names a cache entry in warnings by its data index (picklable, for spawned workers)."""
+
+    def __init__(self, data_indices: np.ndarray) -> None:
+        self.data_indices = data_indices
+
+    def __call__(self, cache_index: int) -> str:
+        return f"data item {int(self.data_indices[cache_index])} (cache entry {cache_index})"
+
+
+class CacheDataset(_MonaiCacheDataset):
+    """MONAI's ``CacheDataset`` with one cache per machine, in shared memory.
+
+    Every argument of :class:`monai.data.CacheDataset` keeps its meaning; the cache just lives in
+    ``/dev/shm`` instead of this process's heap, so that every DataLoader worker and every DDP rank on the
+    machine shares one copy, reads it without copying, and fills it on the fly:
+
+    * ``runtime_cache=False`` (MONAI's default): the cache is filled before the first epoch, as in MONAI,
+      with a progress bar; processes that build the same dataset at the same time (the ranks of a
+      ``torchrun`` job) split the work, so no item is computed twice on the machine, and a process that
+      finds the cache already filled starts at once.
+    * ``runtime_cache=True``, ``"threads"`` or ``"processes"``: entries are computed by whichever worker or
+      rank first needs them, and published for all the others.
+    * a list-like object passed as ``runtime_cache``: used as the cache, with MONAI's meaning (private to
+      whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
+
+    Processes find the same cache by a fingerprint of the data, the deterministic transforms and the
+    options; the cache is removed when the last process using it exits (or this dataset is garbage
+    collected, or :meth:`set_data` replaces the data), and reclaimed if its users crashed.
+
+    Differences from MONAI, all fixes:
+
+    * ``hash_as_key=True`` with ``runtime_cache`` returns the right item (MONAI computes the entry from
+      the data item at the *cache* position, so duplicates shift later items) and looks keys up in O(1).
+    * ``runtime_cache=True`` with DataLoader worker processes caches across workers and epochs (MONAI's
+      per-worker list is thrown away with each worker).
+    * A random transform that writes into its input never changes the cached copy, whether ``copy_cache``
+      is True or False (reads are copy-on-write mappings, so ``copy_cache=True`` needs no deep copy).
+
+    Args:
+        data: input data to load and transform to generate dataset for model.
+        transform: transforms to execute operations on input data.
+        cache_num: number of items to be cached. Default is `sys.maxsize`.
+            will take the minimum of (cache_num, data_length x cache_rate, data_length).
+        cache_rate: percentage of cached data in total, default is 1.0 (cache all).
+            will take the minimum of (cache_num, data_length x cache_rate, data_length).
+        num_workers: the number of worker threads if computing cache in the initialization.
+            If num_workers is None then the number returned by os.cpu_count() is used.
+            If a value less than 1 is specified, 1 will be used instead.
+        progress: whether to display a progress bar.
+        copy_cache: whether to `deepcopy` the cache content before applying the random transforms.
+            With the shared-memory cache every read is already a private copy-on-write view, so no deep copy
+            is made and the cache is protected either way; kept for MONAI's private-cache modes.
+        as_contiguous: whether to convert the cached NumPy array or PyTorch tensor to be contiguous.
+        hash_as_key: whether to compute hash value of input data as the key to save cache,
+            if key exists, avoid saving duplicated content.
+        hash_func: if `hash_as_key`, a callable to compute hash from data items to be cached.
+            defaults to `monai.data.utils.pickle_hashing`.
+        runtime_cache: ``False`` to fill the cache during initialization; ``True``, ``"threads"`` or
+            ``"processes"`` to fill it on the fly (in shared memory); or a list-like container to use as
+            the cache with MONAI's semantics.
+        shared_memory: keep the cache in shared memory (default). ``False`` restores MONAI's in-process
+            cache (with the ``hash_as_key`` fix).
+        shm_dir: tmpfs directory for the cache; default ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``.
+        shm_budget: most bytes this dataset's cache may take in shared memory, as an int or a string such
+            as ``"8GiB"``; ``None`` for no limit other than the free space of ``shm_dir``. Items that do not
+            fit are served uncached, with one warning.
+        keep_warm: keep the cache in shared memory after the last process using it exits, so the next run
+            on this machine starts warm (remove it with ``monai-cache clear --all``).
+        allow_pickle: cache values that the codec cannot store natively (arbitrary objects) with pickle.
+            Off by default: loading a cache never unpickles.
+        cache_key: name the cache explicitly instead of fingerprinting data, transforms and options (for
+            transforms that cannot be fingerprinted consistently across processes). Datasets with the same
+            key share entries, so it must change whenever the data or deterministic transforms change.
+    """
+
+    def __init__(
+        self,
+        data: Sequence,
+        transform: Sequence[Callable] | Callable | None = None,
+        cache_num: int = sys.maxsize,
+        cache_rate: float = 1.0,
+        num_workers: int | None = 1,
+        progress: bool = True,
+        copy_cache: bool = True,
+        as_contiguous: bool = True,
+        hash_as_key: bool = False,
+        hash_func: Callable[..., bytes] = pickle_hashing,
+        runtime_cache: Any = False,
+        *,
+        shared_memory: bool = True,
+        shm_dir: str | None = None,
+        shm_budget: int | str | None = None,
+        keep_warm: bool = False,
+        allow_pickle: bool = False,
+        cache_key: str | None = None,
+    ) -> None:
+        # Set before MONAI's __init__, which calls set_data(). None of these is randomizable, so MONAI's
+        # worker seeding (set_rnd walks __dict__ in order) gives the transforms the same seeds as in MONAI.
+        self.shared_memory = shared_memory
+        self.shm_dir = shm_dir
+        self.shm_budget = shm_budget
+        self.keep_warm = keep_warm
+        self.allow_pickle = allow_pickle
+        self.cache_key = cache_key
+        self._hash_index: dict[bytes, int] = {}
+        self._cache_data_index = np.zeros(0, dtype=np.int64)
+        self._counts = {"hits": 0, "misses": 0}
+        super().__init__(
+            data=data,
+            transform=transform,
+            cache_num=cache_num,
+            cache_rate=cache_rate,
+            num_workers=num_workers,
+            progress=progress,
+            copy_cache=copy_cache,
+            as_contiguous=as_contiguous,
+            hash_as_key=hash_as_key,
+            hash_func=hash_func,
+            runtime_cache=runtime_cache,
+        )
+
+    # -- setting up the cache --
+    def _in_shared_memory(self) -> bool:
+        return bool(self.shared_memory) and (
+            self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
+        )
+
+    def _plan(self, data: Sequence) -> list[int]:
+        """MONAI's choice of cached items; returns the data index of each cache entry."""
+        if self.hash_as_key:
+            # only the unique items are cached; the last data index of each duplicate is used (as in MONAI)
+            mapping = {self.hash_func(v): i for i, v in enumerate(data)}
+            self.cache_num = min(int(self.set_num), int(len(mapping) * self.set_rate), len(mapping))
+            self._hash_keys = list(mapping)[: self.cache_num]
+            indices = list(mapping.values())[: self.cache_num]
+        else:
+            self.cache_num = min(int(self.set_num), int(len(data) * self.set_rate), len(data))
+            self._hash_keys = []
+            indices = list(range(self.cache_num))
+        self._hash_index = {k: i for i, k in enumerate(self._hash_keys)}
+        self._cache_data_index = np.asarray(indices, dtype=np.int64)
+        return indices
+
+    def _fingerprint(self) -> str:
+        if self.cache_key is not None:
+            return "key-" + fingerprint(self.cache_key)[:40]
+        return "cd-" + fingerprint(
+            type(self).__qualname__,
+            __version__,
+            codec.FORMAT_VERSION,
+            fingerprint(list(self.data)),
+            transforms_fingerprint(cacheable_transforms(self.transform)),
+            self.cache_num,
+            self.hash_as_key,
+            getattr(self.hash_func, "__qualname__", repr(self.hash_func)) if self.hash_as_key else None,
+            self.as_contiguous,
+            self.allow_pickle,
+            get_track_meta(),
+        )[:40]
+
+    def set_data(self, data: Sequence) -> None:
+        """Set the input data and compute the cache for it, releasing the old entries.
+
+        As in MONAI, call it between epochs with ``persistent_workers=False`` in the DataLoader, because
+        the workers must be re-created to see the new data.
+        """
+        self._release_cache()
+        if not self._in_shared_memory():
+            super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
+            if self.hash_as_key:
+                self._hash_index = {k: i for i, k in enumerate(self._hash_keys)}
+                mapping = {self.hash_func(v): i for i, v in enumerate(self.data)}
+                self._cache_data_index = np.asarray([mapping[k] for k in self._hash_keys], dtype=np.int64)
+            return
+        self.data = data
+        indices = self._plan(data)
+        store = SharedMemoryStore(
+            self._fingerprint(),
+            self.cache_num,
+            shm_dir=self.shm_dir,
+            budget=self.shm_budget,
+            keep_warm=self.keep_warm,
+            allow_pickle=self.allow_pickle,
+            describe=_EntryName(self._cache_data_index),
+        )
+        self._cache = store
+        # Release the entries when this dataset goes away (the last process using them removes them).
+        weakref.finalize(self, store.release)
+        if self.runtime_cache in (False, None):
+            self._fill_cache(indices)
+
+    def _release_cache(self) -> None:
+        cache = getattr(self, "_cache", None)
+        if isinstance(cache, SharedMemoryStore):
+            cache.release()
+
+    def _fill_cache(self, indices: Sequence[int] | None = None) -> Any:
+        """Compute the cache before the first epoch (``runtime_cache=False``).
+
+        In shared memory the work is split with the other processes filling the same cache: an entry that
+        another process is computing is skipped and waited for at the end, so none is computed twice.
+        """
+        store = self._cache
+        if not isinstance(store, SharedMemoryStore):
+            return super()._fill_cache(indices)
+        if self.cache_num <= 0:
+            return store
+        if indices is None:
+            indices = list(range(self.cache_num))
+        if self.progress and not _has_tqdm:  # pragma: no cover
+            warnings.warn("tqdm is not installed, will not show the caching progress bar.", stacklevel=2)
+
+        def fill(job: tuple[int, int]) -> tuple[int, int] | None:
+            slot, data_index = job
+            return None if store.fill(slot, partial(self._load_cache_item, data_index)) else job
+
+        jobs = list(enumerate(indices))
+        with ThreadPool(self.num_workers) as pool:
+            results = pool.imap(fill, jobs)
+            if self.progress and _has_tqdm:
+                results = tqdm(results, total=len(jobs), desc="Loading dataset")
+            deferred = [job for job in results if job is not None]
+        for slot, data_index in deferred:  # entries other processes were computing: wait, then make sure
+            while not store.fill(slot, partial(self._load_cache_item, data_index)):
+                store.wait_for(slot)
+        return store
+
+    # -- reading --
+    def _cache_index_of(self, index: int) -> int | None:
+        if self.hash_as_key:
+            return self._hash_index.get(self.hash_func(self.data[index]))
+        n = len(self)
+        if index % n < self.cache_num:  # support negative index, as MONAI does
+            return index % n
+        return None
+
+    def _transform(self, index: int) -> Any:
+        cache_index = self._cache_index_of(index)
+        if cache_index is None:
+            # no cache for this index, execute all the transforms directly
+            return _MonaiDataset._transform(self, index)
+        if self._cache is None:
+            raise RuntimeError("cache buffer is not initialized, please call `set_data()` first.")
+        data_index = int(self._cache_data_index[cache_index]) if self.hash_as_key else cache_index
+        if isinstance(self._cache, SharedMemoryStore):
+            # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
+            # so no deep copy is needed whatever copy_cache says
+            data = self._cache.get_or_compute(cache_index, partial(self._load_cache_item, data_index))
+            private = True
+        else:
+            data = self._cache[cache_index]
+            private = False
+            if data is None:  # runtime cache computation, from the right data item (MONAI bug fix)
+                self._counts["misses"] += 1
+                data = self._cache[cache_index] = self._load_cache_item(data_index)
+            else:
+                self._counts["hits"] += 1
+        first_random = first_random_index(self.transform)
+        if first_random is not None:
+            if not private and self.copy_cache is True:
+                data = deepcopy(data)
+            data = self.transform(data, start=first_random)
+        return data
+
+    # -- bookkeeping --
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Cache counters: ``{"process": {...}, "machine": {...}}``.
+
+        ``process`` holds this process's hits, misses (entries it computed), bytes read and written; in a
+        DataLoader worker these are the worker's own. ``machine`` is shared by every process using the
+        same shared-memory cache: bytes and entries held, hits, misses. With a private cache,
+        ``machine`` equals ``process``.
+        """
+        if isinstance(self._cache, SharedMemoryStore):
+            return self._cache.stats()
+        counts = dict(self._counts)
+        counts["entries"] = sum(1 for i in range(len(self._cache)) if self._cache[i] is not None)
+        return {"process": counts, "machine": dict(counts)}
+
+    def release(self) -> None:
+        """Stop using the shared-memory cache now (it is removed if this was its last user)."""
+        self._release_cache()

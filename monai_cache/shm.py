@@ -1,0 +1,788 @@
+"""A node-wide cache of encoded items in POSIX shared memory (``/dev/shm``), one file per entry.
+
+Layout (``root`` is ``/dev/shm`` unless configured)::
+
+    root/monai_cache-<uid>/            mode 0700, owned by the user: nobody else can read or plant entries
+        .lock                          flock'ed while a process joins or leaves a cache (short)
+        <key>/                         one directory per dataset fingerprint
+            lease                      every process using the cache holds a shared flock on it
+            keep                       present when the cache is to outlive its users (keep_warm=True)
+            stats                      4 KiB of shared counters (bytes, entries, hits, misses, ...)
+            locks                      byte i is OFD-locked while someone computes entry i
+            <i>.e                      entry i: an encoded blob (see monai_cache.codec), mode 0600
+            .tmp.<pid>.<n>             an entry being written; renamed to <i>.e when complete
+
+Why plain files and not ``multiprocessing.shared_memory``: on Linux POSIX shared memory *is* a tmpfs
+file, and Python 3.11's ``SharedMemory`` registers every segment with a resource tracker that unlinks it
+when any independently started process that attached to it exits (torchrun ranks are such processes).
+Files we open and ``mmap`` ourselves are not tracked, so nothing deletes entries under other processes.
+
+Guarantees:
+
+* An entry becomes visible only through ``rename`` once it is complete, so a crash at any moment never
+  leaves an entry that a reader accepts; readers also validate the blob and treat a bad one as missing.
+* Reads map the file copy-on-write (``MAP_PRIVATE``): zero-copy, and a transform writing into the tensor it
+  got only changes its private pages, never the shared copy.
+* Lifetime: each process using a cache holds a shared ``flock`` on its lease file; the kernel drops it when
+  the process dies. The last process to leave normally removes the cache. A cache whose lease nobody holds
+  is stale (its users crashed) and is reclaimed by the next process that joins any cache, unless it was
+  created with ``keep_warm=True``.
+* Computing an entry takes an OFD byte-range lock on ``locks``: concurrent processes (and threads) that
+  miss the same entry compute it once, and a holder that dies releases the lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import shutil
+import stat
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from monai_cache import codec
+from monai_cache.utils import OFDLock, format_bytes, parse_bytes, pid_alive, warn
+
+__all__ = ["SharedMemoryStore", "cache_root", "default_shm_dir", "list_caches", "remove_cache"]
+
+ENV_SHM_DIR = "MONAI_CACHE_SHM_DIR"
+_ENTRY_SUFFIX = ".e"
+_TMP_PREFIX = ".tmp."
+_MISSING = object()
+
+# Shared counters in the stats file: name -> byte offset (u64 each).
+_STAT_FIELDS = ("bytes", "entries", "hits", "misses", "skipped", "flags", "corrupt", "budget")
+_STAT_OFFSET = {name: 8 + 8 * i for i, name in enumerate(_STAT_FIELDS)}
+_STATS_MAGIC = 0x4D43535431  # "MCST1"
+_STATS_SIZE = 4096
+_FLAG_WARNED_FULL = 1
+_U64 = struct.Struct("<Q")
+
+
+def default_shm_dir() -> str:
+    """``$MONAI_CACHE_SHM_DIR`` if set, else ``/dev/shm``."""
+    return os.environ.get(ENV_SHM_DIR) or "/dev/shm"
+
+
+def cache_root(shm_dir: str | None = None, create: bool = True) -> str:
+    """The per-user directory holding this user's caches, created with mode 0700.
+
+    Raises:
+        PermissionError: if it exists but belongs to another user or is not a directory (someone may be
+            trying to plant entries); remove it or choose another ``shm_dir``.
+        FileNotFoundError: if ``shm_dir`` does not exist.
+    """
+    base = shm_dir or default_shm_dir()
+    if not os.path.isdir(base):
+        raise FileNotFoundError(
+            f"shared-memory directory {base!r} does not exist. Pass shm_dir=... (or set ${ENV_SHM_DIR}) to a "
+            "tmpfs directory, or shared_memory=False to keep MONAI's in-process cache."
+        )
+    root = os.path.join(base, f"monai_cache-{os.getuid()}")
+    if create:
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return root
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{root} is not a directory owned by uid {os.getuid()}; monai_cache will not use it. "
+            "Remove it, or choose another shm_dir."
+        )
+    if st.st_mode & 0o077:
+        os.chmod(root, 0o700)
+    return root
+
+
+class _Stats:
+    """Counters shared by every process of one cache (a small MAP_SHARED file)."""
+
+    __slots__ = ("_fd", "_lock", "_map", "_path", "_pid")
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            if os.fstat(fd).st_size < _STATS_SIZE:
+                os.ftruncate(fd, _STATS_SIZE)
+            self._map = mmap.mmap(fd, _STATS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._pid = -1
+        self._fd = -1
+        self._lock = threading.Lock()
+
+    def _locked(self) -> OFDLock | contextlib.nullcontext:
+        if not os.path.exists(self._path):  # the cache was removed under us: the counters are ours alone
+            return contextlib.nullcontext()
+        return OFDLock(self._path, 0)
+
+    def add(self, **deltas: int) -> dict[str, int]:
+        """Add to counters atomically across processes; returns the new values of those counters."""
+        with self._lock, self._locked():
+            return self._add(deltas)
+
+    def _add(self, deltas: dict[str, int]) -> dict[str, int]:
+        out = {}
+        for name, d in deltas.items():
+            off = _STAT_OFFSET[name]
+            v = max(0, _U64.unpack_from(self._map, off)[0] + d)
+            _U64.pack_into(self._map, off, v)
+            out[name] = v
+        return out
+
+    def set_flag(self, flag: int) -> bool:
+        """Set a flag bit; True if this call set it (it was clear before)."""
+        with self._lock, self._locked():
+            off = _STAT_OFFSET["flags"]
+            v = _U64.unpack_from(self._map, off)[0]
+            _U64.pack_into(self._map, off, v | flag)
+            return not v & flag
+
+    def reset(self) -> None:
+        with self._lock, self._locked():
+            self._map[:] = bytes(_STATS_SIZE)
+            _U64.pack_into(self._map, 0, _STATS_MAGIC)
+
+    def snapshot(self) -> dict[str, int]:
+        return {name: _U64.unpack_from(self._map, off)[0] for name, off in _STAT_OFFSET.items()}
+
+    def reinit_after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
+
+
+def _read_stats(path: str) -> dict[str, int] | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_STATS_SIZE)
+    except OSError:
+        return None
+    if len(raw) < 8 + 8 * len(_STAT_FIELDS):
+        return None
+    return {name: _U64.unpack_from(raw, off)[0] for name, off in _STAT_OFFSET.items()}
+
+
+def _stats_magic(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+    except OSError:
+        return None
+    return _U64.unpack_from(raw)[0] if len(raw) == 8 else None
+
+
+def _try_exclusive(lease_path: str) -> int | None:
+    """Open the lease file and try to lock it exclusively; the fd if nobody holds it, else None."""
+    try:
+        fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_dir(path: str) -> None:
+    """Remove a cache directory: rename it away first so no reader sees it half-deleted."""
+    trash = f"{os.path.dirname(path)}/.trash.{os.getpid()}.{next(_COUNTER)}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+_COUNTER = itertools.count()
+
+
+class _RootLock:
+    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, ".lock")
+
+    def __enter__(self) -> _RootLock:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
+    """Remove caches nobody holds a lease on (their users crashed), except kept ones. Caller holds the root lock."""
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".trash."):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if name.startswith(".") or path == skip or not os.path.isdir(path):
+            continue
+        if os.path.exists(os.path.join(path, "keep")):
+            continue
+        fd = _try_exclusive(os.path.join(path, "lease"))
+        if fd is None:
+            continue
+        try:
+            _remove_dir(path)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class _Directory:
+    """One process's handle on one cache directory: lease, counters, reference count."""
+
+    def __init__(self, root: str, key: str, keep: bool) -> None:
+        self.root = root
+        self.key = key
+        self.path = os.path.join(root, key)
+        self.refs = 0
+        self.owner_pid = os.getpid()
+        self.lease_fd = -1
+        self._join(keep)
+        self.stats = _Stats(os.path.join(self.path, "stats"))
+        self.locks_path = os.path.join(self.path, "locks")
+
+    def _join(self, keep: bool) -> None:
+        with _RootLock(self.root):
+            _reclaim_stale(self.root, skip=self.path)
+            try:
+                os.mkdir(self.path, 0o700)
+                fresh = True
+            except FileExistsError:
+                fresh = False
+            lease_path = os.path.join(self.path, "lease")
+            fd = _try_exclusive(lease_path)
+            wiped = False
+            if fd is not None and not fresh and not os.path.exists(os.path.join(self.path, "keep")):
+                # Nobody holds a lease: left over by processes that crashed. Start it afresh.
+                for name in os.listdir(self.path):
+                    if name != "lease":
+                        _unlink_quiet(os.path.join(self.path, name))
+                wiped = True
+            if fd is None:
+                fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
+            self.lease_fd = fd
+            if keep:
+                open(os.path.join(self.path, "keep"), "a").close()
+            stats_path = os.path.join(self.path, "stats")
+            if fresh or wiped or _stats_magic(stats_path) != _STATS_MAGIC:
+                _Stats(stats_path).reset()
+
+    def leave(self) -> bool:
+        """Drop this process's lease; remove the cache if nobody else holds one. True if removed."""
+        if self.lease_fd < 0 or os.getpid() != self.owner_pid:
+            return False
+        with _RootLock(self.root):
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+            if os.path.exists(os.path.join(self.path, "keep")):
+                return False
+            fd = _try_exclusive(os.path.join(self.path, "lease"))
+            if fd is None:
+                return False
+            try:
+                self.stats.close()
+                _remove_dir(self.path)
+                return True
+            finally:
+                os.close(fd)
+
+    def after_fork_in_child(self) -> None:
+        # The child shares the parent's lease (the open file description): drop our reference so that the
+        # parent alone decides when the lease ends. Children never leave.
+        if self.lease_fd >= 0:
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+        self.stats.reinit_after_fork()
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# Process-wide registry: one _Directory per cache path, shared by every store of this process.
+_registry: dict[str, _Directory] = {}
+_registry_lock = threading.Lock()
+
+
+def _acquire_directory(root: str, key: str, keep: bool) -> _Directory:
+    path = os.path.join(root, key)
+    with _registry_lock:
+        d = _registry.get(path)
+        if d is None or d.owner_pid != os.getpid():  # none yet, or inherited through fork without a lease
+            d = _Directory(root, key, keep)
+            _registry[path] = d
+        elif keep:
+            open(os.path.join(d.path, "keep"), "a").close()
+        d.refs += 1
+        return d
+
+
+def _release_directory(d: _Directory) -> None:
+    with _registry_lock:
+        d.refs -= 1
+        if d.refs > 0:
+            return
+        if _registry.get(d.path) is d:
+            del _registry[d.path]
+    d.leave()
+
+
+def _after_fork_in_child() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    for d in list(_registry.values()):
+        d.after_fork_in_child()
+
+
+def _leave_all_at_exit() -> None:
+    for d in list(_registry.values()):
+        try:
+            d.leave()
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_leave_all_at_exit)
+
+
+class SharedMemoryStore:
+    """A list-like, node-wide cache of items, usable as MONAI's ``CacheDataset._cache``.
+
+    ``store[i]`` returns the decoded item (tensors are copy-on-write views of shared memory) or ``None``
+    when entry ``i`` is not cached; ``store[i] = item`` publishes it (or skips it when the budget or
+    ``/dev/shm`` is full). :meth:`get_or_compute` computes a missing entry once across all processes.
+
+    Args:
+        key: the cache's name, a fingerprint of the dataset; processes that use the same key share entries.
+        length: number of entries (MONAI's ``cache_num``).
+        shm_dir: tmpfs directory to keep caches in; defaults to ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``.
+        budget: most bytes this cache may take in shared memory (an int or a string like ``"8GiB"``);
+            ``None`` for no limit other than the free space of ``shm_dir`` (minus a reserve).
+        keep_warm: keep the cache after the last process using it exits, for the next run.
+        allow_pickle: store and load values the codec cannot encode with pickle. Off by default.
+        reserve: bytes of ``shm_dir`` left free for others (DataLoader workers pass batches through
+            ``/dev/shm``); by default the smaller of 512 MiB and a quarter of its size.
+        describe: how warnings name an entry, e.g. ``lambda i: f"item {i}"``.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_allow_pickle",
+        "_budget",
+        "_describe",
+        "_dir",
+        "_keep",
+        "_length",
+        "_pid",
+        "_proc_stats",
+        "_released",
+        "_reported",
+        "_reserve",
+        "_shm_dir",
+        "_tmp_counter",
+        "key",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        length: int,
+        *,
+        shm_dir: str | None = None,
+        budget: int | str | None = None,
+        keep_warm: bool = False,
+        allow_pickle: bool = False,
+        reserve: int | str | None = None,
+        describe: Callable[[int], str] | None = None,
+    ) -> None:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"invalid cache key {key!r}")
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        self.key = key
+        self._length = int(length)
+        self._shm_dir = shm_dir or default_shm_dir()
+        self._budget = parse_bytes(budget, "shm_budget")
+        self._reserve = parse_bytes(reserve, "reserve")
+        self._keep = bool(keep_warm)
+        self._allow_pickle = bool(allow_pickle)
+        self._describe = describe
+        root = cache_root(self._shm_dir)
+        self._dir = _acquire_directory(root, key, self._keep)
+        self._pid = os.getpid()
+        self._proc_stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "skipped": 0, "corrupt": 0}
+        self._reported: set[int] = set()
+        self._tmp_counter = itertools.count()
+        self._released = False
+
+    # -- pickling: a spawned DataLoader worker reopens the cache (and holds its own lease while it lives) --
+    def __reduce__(self) -> tuple:
+        return (
+            _attach,
+            (self.key, self._length, self._shm_dir, self._budget, self._allow_pickle, self._reserve, self._describe),
+        )
+
+    # -- sequence protocol (what MONAI's CacheDataset expects of ``_cache``) --
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        i = self._check_index(index)
+        item = self._read(i)
+        return None if item is _MISSING else item
+
+    def __setitem__(self, index: int, item: Any) -> None:
+        if item is None:
+            return
+        i = self._check_index(index)
+        with OFDLock(self._dir.locks_path, i):
+            if not os.path.exists(self._entry_path(i)):
+                self._write(i, item)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self._length):
+            yield self[i]
+
+    def __contains__(self, item: object) -> bool:  # pragma: no cover - identity semantics are meaningless here
+        return False
+
+    def __repr__(self) -> str:
+        return f"SharedMemoryStore(key={self.key!r}, length={self._length}, path={self._dir.path!r})"
+
+    @property
+    def path(self) -> str:
+        """The cache directory."""
+        return self._dir.path
+
+    def _check_index(self, index: int) -> int:
+        i = int(index)
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"cache index {index} out of range for {self._length} entries")
+        return i
+
+    def _entry_path(self, i: int) -> str:
+        return f"{self._dir.path}/{i}{_ENTRY_SUFFIX}"
+
+    def _name(self, i: int) -> str:
+        return self._describe(i) if self._describe is not None else f"entry {i}"
+
+    # -- reads --
+    def contains(self, index: int) -> bool:
+        """Whether entry ``index`` is published (cheap: no decoding)."""
+        return os.path.exists(self._entry_path(self._check_index(index)))
+
+    def _read(self, i: int, count: bool = True) -> Any:
+        path = self._entry_path(i)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return _MISSING
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                mm = None
+            else:
+                # Copy-on-write: zero-copy reads; writes by transforms land in private pages only.
+                mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            if mm is None:
+                raise codec.CorruptEntryError("empty entry")
+            item = codec.decode(memoryview(mm), allow_pickle=self._allow_pickle)
+        except codec.CorruptEntryError as e:
+            self._discard_corrupt(i, path, str(e))
+            return _MISSING
+        if count:
+            self._proc_stats["hits"] += 1
+            self._proc_stats["bytes_read"] += size
+            self._dir.stats.add(hits=1)
+        return item
+
+    def _discard_corrupt(self, i: int, path: str, why: str) -> None:
+        # Whoever moves the bad entry aside reports it; concurrent readers of the same entry stay quiet.
+        aside = f"{self._dir.path}/{_TMP_PREFIX}bad.{os.getpid()}.{next(self._tmp_counter)}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            size = os.stat(aside).st_size
+            os.unlink(aside)
+        except FileNotFoundError:
+            size = 0
+        self._dir.stats.add(entries=-1, bytes=-size, corrupt=1)
+        self._proc_stats["corrupt"] += 1
+        if i not in self._reported:
+            self._reported.add(i)
+            warn(f"corrupt shared-memory cache entry for {self._name(i)} ({why}) was removed and will be recomputed")
+
+    # -- writes --
+    def _write(self, i: int, item: Any) -> bool:
+        """Publish entry ``i``; False (with one warning per cache) if it does not fit. Raises on bad items."""
+        enc = codec.encode(item, allow_pickle=self._allow_pickle)
+        size = enc.nbytes
+        if not self._reserve_space(size):
+            return False
+        tmp = f"{self._dir.path}/{_TMP_PREFIX}{os.getpid()}.{threading.get_ident()}.{next(self._tmp_counter)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:  # the cache was removed under us (its last user left)
+            self._dir.stats.add(bytes=-size)
+            return False
+        published = False
+        try:
+            try:
+                if size:
+                    try:
+                        os.posix_fallocate(fd, 0, size)  # tmpfs: ENOSPC now rather than SIGBUS later
+                    except OSError as e:
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                _write_all(fd, enc)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._entry_path(i))
+            published = True
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                self._warn_full(size, str(e))
+            elif e.errno != errno.ENOENT:
+                warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached")
+        finally:
+            if not published:
+                _unlink_quiet(tmp)
+                self._dir.stats.add(bytes=-size)
+                self._proc_stats["skipped"] += 1
+        if published:
+            self._dir.stats.add(entries=1)
+            self._proc_stats["bytes_written"] += size
+        return published
+
+    def _space_left(self) -> tuple[int, int]:
+        st = os.statvfs(self._dir.path)
+        total = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        reserve = self._reserve if self._reserve is not None else min(512 << 20, total // 4)
+        return free - reserve, free
+
+    def _reserve_space(self, size: int) -> bool:
+        used = self._dir.stats.add(bytes=size)["bytes"]
+        over_budget = self._budget is not None and used > self._budget
+        room, _free = self._space_left()
+        if over_budget or room < size:
+            self._dir.stats.add(bytes=-size, skipped=1)
+            self._proc_stats["skipped"] += 1
+            self._warn_full(size, "budget reached" if over_budget else "shared memory nearly full")
+            return False
+        return True
+
+    def _warn_full(self, size: int, why: str) -> None:
+        if not self._dir.stats.set_flag(_FLAG_WARNED_FULL):
+            return
+        st = os.statvfs(self._dir.path)
+        used = self._dir.stats.snapshot()["bytes"]
+        budget = "no budget set" if self._budget is None else f"budget {format_bytes(self._budget)}"
+        warn(
+            f"the shared-memory cache is full ({why}): it holds {format_bytes(used)} ({budget}); "
+            f"{format_bytes(st.f_bavail * st.f_frsize)} of {format_bytes(st.f_blocks * st.f_frsize)} are free in "
+            f"{self._shm_dir}, and the next entry needs {format_bytes(size)}. Further items are served uncached. "
+            "To cache more, raise shm_budget, or give the machine more shared memory "
+            "(Docker: docker run --shm-size=16g ...; Kubernetes: an emptyDir volume with medium: Memory at "
+            "/dev/shm), or point shm_dir / $MONAI_CACHE_SHM_DIR at a larger tmpfs.",
+            stacklevel=4,
+        )
+
+    def get_or_compute(self, index: int, compute: Callable[[], Any], wait: bool = True) -> Any:
+        """Return entry ``index``, computing and publishing it if missing; computed once across processes.
+
+        Args:
+            index: entry index.
+            compute: makes the item when it is missing.
+            wait: if another process is computing this entry, wait for it (True), or return ``_MISSING``
+                sentinel-free ``None`` right away (False; used to split an eager fill between processes).
+
+        Returns:
+            the item: decoded from shared memory when it could be published, else the computed object.
+        """
+        i = self._check_index(index)
+        item = self._read(i)
+        if item is not _MISSING:
+            return item
+        lock = OFDLock(self._dir.locks_path, i)
+        if not lock.acquire(blocking=wait):
+            return None
+        try:
+            item = self._read(i)  # someone may have published it while we waited
+            if item is not _MISSING:
+                return item
+            self._proc_stats["misses"] += 1
+            self._dir.stats.add(misses=1)
+            value = compute()
+            if not self._write(i, value):
+                return value
+        finally:
+            lock.release()
+        item = self._read(i, count=False)
+        return value if item is _MISSING else item
+
+    def fill(self, index: int, compute: Callable[[], Any]) -> bool:
+        """Make sure entry ``index`` exists without decoding it; False if another process is on it now."""
+        i = self._check_index(index)
+        if os.path.exists(self._entry_path(i)):
+            return True
+        lock = OFDLock(self._dir.locks_path, i)
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if not os.path.exists(self._entry_path(i)):
+                self._proc_stats["misses"] += 1
+                self._dir.stats.add(misses=1)
+                self._write(i, compute())
+        finally:
+            lock.release()
+        return True
+
+    def wait_for(self, index: int) -> None:
+        """Block until nobody is computing entry ``index``."""
+        with OFDLock(self._dir.locks_path, self._check_index(index)):
+            pass
+
+    # -- bookkeeping --
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters: ``{"process": {...}, "machine": {...}}``.
+
+        ``process`` counts this process's hits, misses (entries it computed), bytes read and written, items
+        skipped for lack of space and corrupt entries removed. ``machine`` is shared by every process using
+        this cache: bytes and entries held, hits, misses, skipped, corrupt.
+        """
+        shared = self._dir.stats.snapshot()
+        machine = {k: shared[k] for k in ("bytes", "entries", "hits", "misses", "skipped", "corrupt")}
+        return {"process": dict(self._proc_stats), "machine": machine}
+
+    def release(self) -> None:
+        """Stop using the cache in this process; the last process to release it removes it (unless kept)."""
+        if self._released or os.getpid() != self._pid:
+            return
+        self._released = True
+        _release_directory(self._dir)
+
+    def clear(self) -> None:
+        """Remove every entry (other processes using the cache see misses and recompute)."""
+        for name in os.listdir(self._dir.path):
+            if name.endswith(_ENTRY_SUFFIX):
+                _unlink_quiet(os.path.join(self._dir.path, name))
+        self._dir.stats.add(bytes=-(1 << 62), entries=-(1 << 62))
+
+
+def _attach(key, length, shm_dir, budget, allow_pickle, reserve, describe) -> SharedMemoryStore:  # type: ignore[no-untyped-def]
+    return SharedMemoryStore(
+        key, length, shm_dir=shm_dir, budget=budget, allow_pickle=allow_pickle, reserve=reserve,
+        describe=describe,
+    )
+
+
+def _write_all(fd: int, enc: codec.Encoded) -> None:
+    pos = 0
+    for chunk in enc.chunks():
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            n = os.pwrite(fd, view[: 1 << 30], pos)
+            pos += n
+            view = view[n:]
+
+
+def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
+    """Describe this user's shared-memory caches: key, path, bytes, entries, live/stale/kept."""
+    root = cache_root(shm_dir, create=False)
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        fd = _try_exclusive(os.path.join(path, "lease"))
+        live = fd is None
+        if fd is not None:
+            os.close(fd)
+        stats = _read_stats(os.path.join(path, "stats")) or {}
+        nbytes, entries = 0, 0
+        for entry in os.scandir(path):
+            if entry.name.endswith(_ENTRY_SUFFIX):
+                entries += 1
+                nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
+        out.append(
+            {
+                "key": name,
+                "path": path,
+                "bytes": nbytes,
+                "entries": entries,
+                "hits": stats.get("hits", 0),
+                "misses": stats.get("misses", 0),
+                "state": "live" if live else ("kept" if os.path.exists(os.path.join(path, "keep")) else "stale"),
+            }
+        )
+    return out
+
+
+def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> bool:
+    """Remove one cache: stale or kept ones always, live ones only with ``force``. True if removed."""
+    root = cache_root(shm_dir, create=False)
+    path = os.path.join(root, key)
+    if not os.path.isdir(path) or "/" in key or key.startswith("."):
+        return False
+    with _RootLock(root):
+        fd = _try_exclusive(os.path.join(path, "lease"))
+        if fd is None and not force:
+            return False
+        try:
+            _remove_dir(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return True
+
+
+def _dead_tmp_files(path: str) -> Iterator[str]:  # pragma: no cover - helper for sweeps
+    for name in os.listdir(path):
+        if name.startswith(_TMP_PREFIX):
+            parts = name[len(_TMP_PREFIX) :].split(".")
+            if parts and parts[0].isdigit() and not pid_alive(int(parts[0])):
+                yield os.path.join(path, name)
