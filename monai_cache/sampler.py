@@ -1,0 +1,464 @@
+"""Shard-local distributed sampler: every rank (or node) reads a fixed shard, so per-rank caches hit.
+
+With :class:`torch.utils.data.DistributedSampler` every epoch deals every item to a random rank, so a
+cache that lives in one process (or one machine) holds the right item only ``1 / world`` of the time.
+:class:`ShardedDistributedSampler` keeps each rank's (or each node's) set of items fixed for the whole
+run and only reorders it from epoch to epoch, so from the second epoch on every read is a cache hit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
+
+__all__ = ["ShardedDistributedSampler"]
+
+_SHARD_BY = ("rank", "node")
+_MASK64 = (1 << 64) - 1
+# keys of ``state_dict()`` that describe the layout; a mid-epoch resume needs them unchanged.
+_LAYOUT_KEYS = ("num_replicas", "dataset_len", "shard_by", "local_world_size", "shuffle", "drop_last", "even_divisible")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _mix_seed(*values: int) -> int:
+    """Mix integers into one 63-bit seed (splitmix64 finaliser), identical in every process.
+
+    ``seed + epoch`` (what torch uses) would give shard ``g`` in epoch ``e`` the same generator as shard
+    ``g + 1`` in epoch ``e - 1``; mixing keeps the per-shard permutations unrelated.
+    """
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+def _strided_shard(n: int, world: int, first: int, count: int) -> torch.Tensor:
+    """Items ``x`` in ``[0, n)`` with ``first <= x % world < first + count``, ascending.
+
+    With ``count == 1`` this is rank ``first``'s shard ``first, first + world, ...``; with ``count ==
+    local_world_size`` it is the union of the shards of one node's ranks.
+    """
+    starts = torch.arange(0, n, world, dtype=torch.int64)
+    idx = (starts[:, None] + torch.arange(first, first + count, dtype=torch.int64)[None, :]).reshape(-1)
+    return idx[idx < n]
+
+
+def _fit_to_length(shard: torch.Tensor, length: int, epoch: int, n: int, group: int) -> torch.Tensor:
+    """Return exactly ``length`` items drawn from ``shard`` for ``epoch``: all of it, minus or plus a window.
+
+    Too many items: a window of ``d = len(shard) - length`` consecutive positions is left out, and the window
+    moves by ``d`` each epoch. Too few: the ``p = length - len(shard)`` missing reads are filled with a window
+    of the shard's own items that moves by ``p`` each epoch. Over any ``len(shard)`` consecutive epochs each
+    position is therefore left out exactly ``d`` times (so seen ``len(shard) - d >= 1`` times) or padded
+    exactly ``p`` times (so not duplicated in at least one epoch when ``p < len(shard)``). The window starts
+    at an offset given by the shard number ``group``, so shards do not all pick their first item together.
+
+    An empty shard (only when ``len(dataset) < num_replicas``) borrows a rotating window of the whole dataset.
+    """
+    size = int(shard.numel())
+    if size == 0:
+        return (torch.arange(length, dtype=torch.int64) + (group + epoch) * length) % n
+    if length <= size:
+        drop = size - length
+        if drop == 0:
+            return shard
+        keep = torch.ones(size, dtype=torch.bool)
+        keep[(torch.arange(drop, dtype=torch.int64) + (epoch + group) * drop) % size] = False
+        return shard[keep]
+    pad = length - size
+    return torch.cat([shard, shard[(torch.arange(pad, dtype=torch.int64) + (epoch + group) * pad) % size]])
+
+
+class ShardedDistributedSampler(DistributedSampler):
+    """Distributed sampler that gives each rank (or each node) a fixed shard and shuffles only within it.
+
+    A drop-in replacement for :class:`torch.utils.data.DistributedSampler` and
+    :class:`monai.data.DistributedSampler` for cached datasets: each process reads the same items in every
+    epoch, so a per-process cache (``shard_by="rank"``) or a per-machine cache such as the shared-memory
+    ``monai_cache.CacheDataset`` (``shard_by="node"``) hits on every read from the second epoch on, and only
+    needs to hold ``1 / num_replicas`` (or ``1 / num_nodes``) of the dataset.
+
+    Design:
+
+    - **Shards.** Rank ``r`` owns the items ``r, r + W, r + 2W, ...`` (``W = num_replicas``), the same
+      assignment as torch's ``shuffle=False`` and MONAI's ``even_divisible=False`` (for 5 items and 2 ranks:
+      ``[0, 2, 4]`` and ``[1, 3]``). Shard sizes differ by at most one; the first ``len(dataset) % W`` ranks
+      own one item more. The assignment depends on nothing but the dataset length and the world size, so it
+      is the same in every epoch, for every ``seed``, with and without ``shuffle``. A strided split also
+      spreads a sorted dataset (by site, label, size...) evenly over the ranks.
+    - **Nodes.** With ``shard_by="node"`` node ``n`` owns the union of the shards of its ranks
+      ``n * L ... n * L + L - 1`` (``L = local_world_size``); every epoch that node shard is shuffled and dealt
+      afresh among the node's ranks in contiguous chunks. Batches mix ``L`` times more items than with
+      per-rank shards, and every read still comes from the node's cache.
+    - **Order.** The epoch order is ``torch.randperm`` of the (node or rank) shard with a private
+      :class:`torch.Generator` seeded from ``(seed, epoch, shard)``: a pure function of ``seed``, ``epoch``
+      and ``rank``, never the global RNG. ``shuffle=False`` yields the rank's own shard in ascending order (in
+      both modes), so validation reads the same items as training and hits the same cache.
+    - **Equal lengths.** By default every rank yields ``ceil(len / W)`` indices (``floor`` with
+      ``drop_last=True``), exactly like torch, so collectives in the training step never wait for a rank that
+      has run out of data.
+    - **Padding and dropping rotate, and stay in the shard.** A shard one item short pads with one of its
+      *own* items (a cache hit), and a shard one item long leaves one of its own items out. Which item is
+      chosen moves along the shard by one position per epoch (``_fit_to_length``): within any ``s``
+      consecutive epochs (``s`` = shard size) each item is padded, or left out, exactly once (node shards:
+      exactly ``p`` / ``d`` times for ``p`` pads / ``d`` drops per epoch). So no item is left out forever and,
+      once each shard holds at least two items (``len(dataset) >= 2 * W``), no item is duplicated in every
+      epoch. Torch pads with the head of a fresh global permutation (items leave the shard, so padded reads
+      miss the cache); VisCy's ``ShardedDistributedSampler`` overlaps the last two shards and drops the
+      tail, i.e. the same items are duplicated, or never seen, in every epoch.
+    - **Tiny datasets.** A one-item shard (``W < len(dataset) < 2W``) has nothing but that item to pad with,
+      so it is read twice per epoch. With ``len(dataset) < W`` and ``drop_last=False`` the ranks without a
+      shard borrow a rotating window of the whole dataset (the only reads that leave a shard).
+
+    The state for a mid-epoch resume (``epoch``, ``seed``, number of indices of this epoch already
+    consumed) is saved by :meth:`state_dict` and restored by :meth:`load_state_dict`.
+
+    Example::
+
+        sampler = ShardedDistributedSampler(train_ds, shuffle=True, seed=0)          # under torchrun
+        loader = monai.data.DataLoader(train_ds, batch_size=2, sampler=sampler, num_workers=4)
+        for epoch in range(start_epoch, max_epochs):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                ...
+
+    Args:
+        dataset: dataset to sample from; only ``len(dataset)`` is used. Its length must not change afterwards.
+        num_replicas: number of processes taking part (the world size). By default it is read from the
+            default process group (``torch.distributed.get_world_size()``), which must be initialised.
+        rank: rank of this process in ``[0, num_replicas - 1]``. By default ``torch.distributed.get_rank()``.
+        shuffle: if ``True`` (default), shuffle the shard every epoch; if ``False``, yield this rank's shard in
+            ascending order, e.g. for validation, so it reads the same items, and hits the same cache, as
+            training.
+        seed: seed of the shuffle; must be the same on all ranks. Default ``0``.
+        drop_last: with the default ``even_divisible=True``, when the length does not divide by the world
+            size: ``False`` (default) pads every rank to ``ceil(len / num_replicas)`` indices with items of
+            its own shard, ``True`` cuts every rank to ``floor(len / num_replicas)``, leaving out items of its
+            own shard. Either way the padded or left-out items change every epoch.
+        even_divisible: keyword only, as in :class:`monai.data.DistributedSampler`. ``True`` (default): all
+            ranks yield the same number of indices (see ``drop_last``). ``False``: each rank yields its
+            whole shard once per epoch, no padding and nothing left out, so ranks yield different numbers of
+            indices (for 5 items on 2 ranks: 3 and 2). Use it for exact evaluation; any collective run per
+            batch (DDP's gradient all-reduce, ``SyncBatchNorm``, per-step metric gathering) would then wait
+            forever on the rank with more batches, so only gather after the loop. Cannot be combined with
+            ``drop_last=True`` and needs ``len(dataset) >= num_replicas``.
+        shard_by: keyword only. ``"rank"`` (default): each rank owns a fixed shard, for caches private to one
+            process. ``"node"``: each node (machine) owns a fixed shard that is re-dealt among its ranks every
+            epoch, for caches shared by the processes of a machine; better-mixed batches, same cache hits.
+        local_world_size: keyword only; number of ranks per node, used with ``shard_by="node"``. Default: the
+            ``LOCAL_WORLD_SIZE`` environment variable that torchrun sets. Must divide ``num_replicas``; the node
+            of a rank is ``rank // local_world_size``, because torchrun numbers the ranks of a node
+            contiguously (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``). When ``RANK``, ``LOCAL_RANK``
+            and ``GROUP_RANK`` describe this process, they are checked against that rule.
+
+    Raises:
+        ValueError: the dataset is empty, ``rank`` is outside ``[0, num_replicas - 1]``, ``drop_last=True``
+            with fewer items than ranks, ``shard_by`` is unknown, ``local_world_size`` is missing or does not
+            divide ``num_replicas``, or ``even_divisible=False`` is combined with ``drop_last=True`` or
+            fewer items than ranks. Also the errors of ``torch.distributed`` when ``num_replicas`` or ``rank``
+            is left out and no process group is initialised.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset | Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        even_divisible: bool = True,
+        shard_by: str = "rank",
+        local_world_size: int | None = None,
+    ) -> None:
+        if not isinstance(dataset, Sized):
+            raise TypeError(
+                f"dataset must have a length (len(dataset)); got {type(dataset).__name__}. "
+                "Iterable-style datasets cannot be sharded by index."
+            )
+        n = len(dataset)
+        if num_replicas is None:
+            if not dist.is_available():
+                raise RuntimeError("Requires distributed package to be available")
+            num_replicas = dist.get_world_size()
+        if rank is None:
+            if not dist.is_available():
+                raise RuntimeError("Requires distributed package to be available")
+            rank = dist.get_rank()
+        if not _is_int(num_replicas) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int (the world size), got {num_replicas!r}.")
+        if not _is_int(rank) or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank={rank!r} is out of range for num_replicas={num_replicas}: it must be an int in "
+                f"[0, {num_replicas - 1}]. Pass this process's rank, or leave rank=None to read it from "
+                "torch.distributed."
+            )
+        if n == 0:
+            raise ValueError(
+                "dataset is empty (len(dataset) == 0), so there is nothing to shard; check the data list "
+                "before building the sampler."
+            )
+        if shard_by not in _SHARD_BY:
+            raise ValueError(f"shard_by must be 'rank' or 'node', got {shard_by!r}.")
+        if not even_divisible:
+            if drop_last:
+                raise ValueError(
+                    "even_divisible=False yields every item exactly once (no padding, nothing dropped), so "
+                    "drop_last=True has no meaning with it; pass drop_last=False, or even_divisible=True to "
+                    "cut all ranks to the same length."
+                )
+            if n < num_replicas:
+                raise ValueError(
+                    f"even_divisible=False with len(dataset)={n} < num_replicas={num_replicas} would leave "
+                    f"{num_replicas - n} rank(s) without data; use even_divisible=True (pads by repeating "
+                    "items) or fewer ranks."
+                )
+        elif drop_last and n < num_replicas:
+            raise ValueError(
+                f"drop_last=True with len(dataset)={n} < num_replicas={num_replicas} would give every rank 0 "
+                "items; use drop_last=False (pads by repeating items) or fewer ranks."
+            )
+        group_size = 1
+        if shard_by == "node":
+            group_size = self._resolve_local_world_size(local_world_size, num_replicas, rank)
+
+        super().__init__(
+            cast(Dataset, dataset),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.even_divisible = even_divisible
+        self.shard_by = shard_by
+        self.local_world_size = group_size
+        self.node_rank = rank // group_size
+        self.local_rank = rank % group_size
+        self._dataset_len = n
+        if not even_divisible:
+            # MONAI's meaning: this rank's whole shard, so lengths differ by at most one between ranks.
+            self.num_samples = len(range(rank, n, num_replicas))
+            self.total_size = n
+        else:
+            self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
+            self.total_size = self.num_samples * num_replicas
+        self._start_index = 0  # where the next pass starts (non-zero only to resume an epoch)
+        self._consumed = 0  # indices of this epoch handed out so far (counting the skipped ones)
+
+    @staticmethod
+    def _resolve_local_world_size(local_world_size: int | None, num_replicas: int, rank: int) -> int:
+        if local_world_size is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                raise ValueError(
+                    "shard_by='node' needs the number of ranks per node: pass local_world_size=..., or run "
+                    "under torchrun, which sets the LOCAL_WORLD_SIZE environment variable."
+                )
+            try:
+                local_world_size = int(env)
+            except ValueError:
+                raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
+        if not _is_int(local_world_size) or local_world_size < 1:
+            raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}.")
+        if num_replicas % local_world_size != 0:
+            raise ValueError(
+                f"local_world_size={local_world_size} does not divide num_replicas={num_replicas}: "
+                "shard_by='node' needs the same number of ranks on every node (torchrun --nproc-per-node)."
+            )
+        # torchrun numbers ranks contiguously per node; check it when the environment describes this process.
+        env_rank, env_local, env_group = (os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
+        if env_rank == str(rank) and env_local is not None:
+            expected = (rank // local_world_size, rank % local_world_size)
+            got_node = int(env_group) if env_group is not None and env_group.lstrip("-").isdigit() else expected[0]
+            got_local = int(env_local) if env_local.lstrip("-").isdigit() else expected[1]
+            if (got_node, got_local) != expected:
+                warnings.warn(
+                    f"rank {rank} has LOCAL_RANK={env_local}, GROUP_RANK={env_group}, but shard_by='node' "
+                    f"assumes node {expected[0]}, local rank {expected[1]} (rank // local_world_size, "
+                    f"local_world_size={local_world_size}). Sampling stays correct, but a node's shard will not "
+                    "match the machine, so a per-node cache will miss; check local_world_size / the launcher.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return local_world_size
+
+    # ------------------------------------------------------------------ indices
+
+    def _group_size_for_order(self) -> int:
+        # shuffle=False yields each rank's own shard in order, in both modes.
+        return self.local_world_size if self.shuffle else 1
+
+    def shard_indices(self) -> list[int]:
+        """The fixed, ascending dataset indices owned by this rank (``shard_by="rank"``) or node (``"node"``).
+
+        Every index this process yields, in every epoch, comes from this list (the one exception: ranks
+        without a shard when ``len(dataset) < num_replicas``, which borrow items). Use it, e.g., to warm only
+        this process's part of a cache.
+        """
+        group = self.local_world_size
+        node = self.rank // group
+        return _strided_shard(self._dataset_len, self.num_replicas, node * group, group).tolist()
+
+    def indices_for_epoch(self, epoch: int) -> list[int]:
+        """All indices this rank yields in ``epoch`` (from the start of the epoch), without changing state."""
+        n, world = self._dataset_len, self.num_replicas
+        group = self._group_size_for_order()
+        node, local = divmod(self.rank, group)
+        shard = _strided_shard(n, world, node * group, group)
+        if self.even_divisible:
+            seq = _fit_to_length(shard, group * self.num_samples, epoch, n, node)
+            lo = local * self.num_samples
+            hi = lo + self.num_samples
+        else:
+            seq = shard
+            sizes = [len(range(node * group + j, n, world)) for j in range(group)]
+            lo = sum(sizes[:local])
+            hi = lo + sizes[local]
+        if self.shuffle:
+            gen = torch.Generator()
+            gen.manual_seed(_mix_seed(self.seed, epoch, node))
+            seq = seq[torch.randperm(int(seq.numel()), generator=gen)]
+        return cast(list[int], seq[lo:hi].tolist())
+
+    def __iter__(self) -> Iterator[int]:
+        if len(cast(Sized, self.dataset)) != self._dataset_len:
+            raise RuntimeError(
+                f"the dataset length changed from {self._dataset_len} to {len(cast(Sized, self.dataset))} "
+                "after the sampler was built; build a new sampler for the new dataset."
+            )
+        indices = self.indices_for_epoch(self.epoch)
+        start = min(self._start_index, len(indices))
+        self._consumed = start  # set now, not at the first next(), so state_dict() is right at once
+        return self._iterate(indices, start)
+
+    def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
+        for pos in range(start, len(indices)):
+            self._consumed = pos + 1
+            yield indices[pos]
+        self._start_index = 0  # a completed pass ends the resume; the next pass is a full one
+
+    def __len__(self) -> int:
+        """Number of indices the next pass yields: ``num_samples``, less what a resumed epoch already had."""
+        return self.num_samples - min(self._start_index, self.num_samples)
+
+    # ------------------------------------------------------------------ epoch / resume
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch; call it before each epoch, on every rank, so the shuffle changes between epochs.
+
+        Setting the epoch that was restored by :meth:`load_state_dict` keeps the resume position; setting
+        another epoch starts that epoch from its first index.
+
+        Args:
+            epoch: epoch number.
+        """
+        if epoch != self.epoch:
+            self._start_index = 0
+            self._consumed = 0
+        self.epoch = epoch
+
+    def set_start_index(self, start_index: int) -> None:
+        """Skip the first ``start_index`` indices of the current epoch in the next pass (to resume).
+
+        For callers that keep their own count, e.g. ``sampler.set_epoch(e); sampler.set_start_index(
+        batches_done * batch_size)``. Equivalent to loading a state with ``consumed=start_index``.
+
+        Args:
+            start_index: number of indices of this epoch already consumed, in ``[0, num_samples]``.
+        """
+        if not _is_int(start_index) or not 0 <= start_index <= self.num_samples:
+            raise ValueError(
+                f"start_index must be an int in [0, {self.num_samples}] (this rank's epoch length), "
+                f"got {start_index!r}."
+            )
+        self._start_index = start_index
+        self._consumed = start_index
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Return the state needed to resume mid-epoch: epoch, seed and indices consumed, plus the layout.
+
+        In the default mode all ranks are in lockstep, so saving rank 0's state is enough.
+
+        Args:
+            consumed: indices of the current epoch whose samples were actually used, e.g.
+                ``batches_done * batch_size``. Default: the number of indices this sampler has handed out in
+                the current epoch. That count is exact with ``num_workers=0``; with worker processes the
+                DataLoader fetches indices ahead of training (up to ``prefetch_factor * num_workers``
+                batches), so pass ``consumed`` to avoid skipping the prefetched samples on resume.
+        """
+        if consumed is None:
+            consumed = self._consumed
+        elif not _is_int(consumed) or not 0 <= consumed <= self.num_samples:
+            raise ValueError(f"consumed must be an int in [0, {self.num_samples}], got {consumed!r}.")
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "consumed": consumed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": self._dataset_len,
+            "shard_by": self.shard_by,
+            "local_world_size": self.local_world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "even_divisible": self.even_divisible,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore ``epoch`` and ``seed``; the next pass resumes after the ``consumed`` indices of that epoch.
+
+        A mid-epoch resume (``consumed > 0``) needs the same layout (world size, dataset length, mode,
+        ``shuffle``, ``drop_last``, ``even_divisible``), since the order depends on it. From an epoch
+        boundary (``consumed == 0``) the layout may change.
+
+        Args:
+            state_dict: a dict from :meth:`state_dict`; ``epoch`` is required, ``seed`` and ``consumed``
+                default to the current seed and ``0``.
+        """
+        if "epoch" not in state_dict:
+            raise ValueError(f"state_dict has no 'epoch' key (keys: {sorted(state_dict)}); pass sampler.state_dict().")
+        epoch = state_dict["epoch"]
+        seed = state_dict.get("seed", self.seed)
+        consumed = state_dict.get("consumed", 0)
+        for key, value in (("epoch", epoch), ("seed", seed), ("consumed", consumed)):
+            if not _is_int(value):
+                raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}.")
+        if consumed < 0:
+            raise ValueError(f"state_dict['consumed'] must be >= 0, got {consumed}.")
+        if consumed:
+            current = self.state_dict(consumed=0)
+            diffs = [
+                f"{k}: saved {state_dict[k]!r}, now {current[k]!r}"
+                for k in _LAYOUT_KEYS
+                if k in state_dict and state_dict[k] != current[k]
+            ]
+            if diffs:
+                raise ValueError(
+                    f"cannot resume in the middle of epoch {epoch} (consumed={consumed}) with a different "
+                    f"layout ({'; '.join(diffs)}): the order of the epoch depends on it. Use the saved layout, "
+                    "or resume from an epoch boundary (consumed=0, e.g. the next epoch)."
+                )
+            if consumed > self.num_samples:
+                raise ValueError(
+                    f"state_dict['consumed']={consumed} exceeds this rank's epoch length {self.num_samples}; "
+                    "with even_divisible=False ranks differ in length, so save and load each rank's own state."
+                )
+        self.seed = seed
+        self.epoch = epoch
+        self._start_index = consumed
+        self._consumed = consumed
