@@ -2,18 +2,41 @@
 
 ``from monai_cache import CacheDataset, PersistentDataset`` replaces the ``monai.data`` import: one
 shared-memory cache per machine, an asynchronous compact disk cache, and a shard-local sampler.
+
+Names are imported lazily, so that ``monai_cache.shm`` or the command line start without importing
+MONAI (which takes seconds).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from monai_cache.codec import CorruptEntryError, UnsupportedValueError  # noqa: E402
-from monai_cache.dataset import CacheDataset  # noqa: E402
-from monai_cache.shm import SharedMemoryStore  # noqa: E402
+_EXPORTS = {
+    "CacheDataset": "monai_cache.dataset",
+    "SharedMemoryStore": "monai_cache.shm",
+    "CorruptEntryError": "monai_cache.codec",
+    "UnsupportedValueError": "monai_cache.codec",
+}
 
-__all__ = [
-    "CacheDataset",
-    "CorruptEntryError",
-    "SharedMemoryStore",
-    "UnsupportedValueError",
-    "__version__",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+if TYPE_CHECKING:
+    from monai_cache.codec import CorruptEntryError, UnsupportedValueError
+    from monai_cache.dataset import CacheDataset
+    from monai_cache.shm import SharedMemoryStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monai_cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

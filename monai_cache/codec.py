@@ -228,9 +228,9 @@ class _Encoder:
         self.size += view.nbytes
 
     def _tensor(self, t: torch.Tensor, path: str, top_key: str | None, depth: int) -> dict:
-        from monai.data.meta_tensor import MetaTensor  # local: importing monai is slow
-
-        is_meta = isinstance(t, MetaTensor)
+        # Only look for MetaTensor if MONAI is loaded: importing it takes seconds, and without it none exists.
+        meta_module = sys.modules.get("monai.data.meta_tensor")
+        is_meta = meta_module is not None and isinstance(t, meta_module.MetaTensor)
         node: dict[str, Any] = {"~": "M" if is_meta else "T"}
         data = t.as_tensor() if is_meta else t
         data = data.detach()

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+import warnings
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+# MONAI deprecation chatter (Orientationd labels default, etc.) is not what these tests are about.
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture
+def shm_dir(monkeypatch):
+    """A private, real tmpfs directory under /dev/shm for this test's caches (also for child processes)."""
+    path = f"/dev/shm/mc-test-{uuid.uuid4().hex[:12]}"
+    os.makedirs(path)
+    monkeypatch.setenv("MONAI_CACHE_SHM_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def volumes(tmp_path_factory):
+    """Eight small real NIfTI image/label pairs written with nibabel."""
+    from helpers import write_volumes
+
+    return write_volumes(str(tmp_path_factory.mktemp("nifti")), 8)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 4 MiB tmpfs mount (we run as root in CI); skipped where mounting is not permitted."""
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], check=False)

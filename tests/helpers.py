@@ -1,0 +1,90 @@
+"""Shared test helpers: small real NIfTI data, a MONAI chain, and a transform that counts its calls
+across processes (by appending to a file), so tests can tell how often deterministic work ran."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Hashable, Mapping, Sequence
+
+import nibabel as nib
+import numpy as np
+from monai.transforms import (
+    Compose,
+    EnsureChannelFirstd,
+    LoadImaged,
+    MapTransform,
+    Orientationd,
+    RandSpatialCropd,
+    ScaleIntensityRanged,
+    Spacingd,
+)
+
+KEYS = ("image", "label")
+
+
+def write_volumes(directory: str, n: int, shape: tuple[int, int, int] = (24, 20, 16), seed: int = 0) -> list[dict]:
+    """Write ``n`` CT-like int16 images (air -1000, a bright box) and uint8 labels; return MONAI data dicts."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    data = []
+    for i in range(n):
+        img = np.full(shape, -1000, np.int16)
+        lab = np.zeros(shape, np.uint8)
+        lo = [int(rng.integers(1, s // 2)) for s in shape]
+        hi = [lo[d] + int(rng.integers(2, shape[d] // 2)) for d in range(3)]
+        box = tuple(slice(a, b) for a, b in zip(lo, hi))
+        img[box] = rng.integers(0, 200, size=[b - a for a, b in zip(lo, hi)], dtype=np.int16)
+        lab[box] = 1
+        affine = np.diag([0.9 + 0.1 * (i % 3), 1.0, 2.0, 1.0])
+        ip, lp = os.path.join(directory, f"img{i}.nii.gz"), os.path.join(directory, f"lab{i}.nii.gz")
+        nib.save(nib.Nifti1Image(img, affine), ip)
+        nib.save(nib.Nifti1Image(lab, affine), lp)
+        data.append({"image": ip, "label": lp, "case": i})
+    return data
+
+
+class CountCalls(MapTransform):
+    """Deterministic: appends ``<pid> <case>`` to ``log_path`` for every item it transforms."""
+
+    def __init__(self, log_path: str, keys: Sequence[Hashable] = ("image",)) -> None:
+        super().__init__(keys)
+        self.log_path = log_path
+
+    def __call__(self, data: Mapping) -> dict:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()} {data.get('case', -1)}\n".encode())
+        finally:
+            os.close(fd)
+        return dict(data)
+
+
+def read_calls(log_path: str) -> list[tuple[int, int]]:
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path) as f:
+        return [tuple(int(x) for x in line.split()) for line in f if line.strip()]  # type: ignore[misc]
+
+
+def chain(log_path: str | None = None, crop: int | None = 8) -> Compose:
+    """The tutorial chain (small): load, channel first, RAS, resample, scale; then a random crop."""
+    ts = []
+    if log_path is not None:
+        ts.append(CountCalls(log_path))
+    ts += [
+        LoadImaged(keys=KEYS),
+        EnsureChannelFirstd(keys=KEYS),
+        Orientationd(keys=KEYS, axcodes="RAS", labels=None),
+        Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
+        ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
+    ]
+    if crop:
+        ts.append(RandSpatialCropd(keys=KEYS, roi_size=(crop, crop, crop), random_size=False))
+    return Compose(ts)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,273 @@
+"""The codec: cached items to a header plus raw buffers and back, exactly, without pickle."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import pickle
+import struct
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from monai.data import MetaTensor
+from monai.utils.enums import MetaKeys, SpaceKeys, TraceKeys
+
+from monai_cache.codec import ALIGN, FORMAT_VERSION, MAGIC, CorruptEntryError, UnsupportedValueError, decode, encode
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so that -0.0 != 0.0 and NaN == NaN when comparing."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a, b, path="item"):
+    """Exact equality: types (keys too), dtypes, shapes, strides, values (NaN-aware), MetaTensor attributes."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        assert [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), path
+        x = a.as_tensor() if isinstance(a, MetaTensor) else a
+        y = b.as_tensor() if isinstance(b, MetaTensor) else b
+        assert torch.equal(bits(x), bits(y)), path
+        if isinstance(a, MetaTensor):
+            assert a.is_batch == b.is_batch, path
+            assert_same(a.__dict__, b.__dict__, f"{path}.__dict__")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides, path
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def roundtrip(item, **kw):
+    enc = encode(item, **kw)
+    blob = enc.to_bytes()
+    assert len(blob) == enc.nbytes
+    assert b"".join(bytes(c) for c in enc.chunks()) == bytes(blob)
+    return decode(blob, allow_pickle=kw.get("allow_pickle", False))
+
+
+def test_real_monai_chain_item_roundtrips_exactly(volumes):
+    from helpers import chain
+
+    item = chain(crop=None)(volumes[0])
+    assert isinstance(item["image"], MetaTensor) and len(item["image"].applied_operations) >= 2
+    out = roundtrip(item)
+    assert_same(item, out)
+    # keys stay MONAI's enums, and the metadata behaves as MetaTensor metadata
+    assert isinstance(next(k for k in out["image"].meta if k == "affine"), MetaKeys)
+    assert out["image"].meta[MetaKeys.SPACE] is SpaceKeys.RAS
+    assert isinstance(list(out["image"].applied_operations[0])[0], TraceKeys)
+    assert torch.equal(out["image"].affine, item["image"].affine)
+    assert torch.equal(out["image"].pixdim, item["image"].pixdim)
+
+
+def test_metatensor_attributes_batch_and_pending_ops():
+    t = MetaTensor(torch.arange(24.0).reshape(2, 3, 4), affine=torch.eye(4) * 2, meta={"x": 1})
+    t.is_batch = True
+    t.push_applied_operation({"class": "Foo", "extra_info": {"m": torch.ones(3)}})
+    t.push_pending_operation({"lazy": True})
+    out = roundtrip({"img": t})
+    assert_same({"img": t}, out)
+    assert out["img"].is_batch is True
+    assert out["img"].pending_operations == [{"lazy": True}]
+
+
+def test_buffers_are_aligned_and_zero_copy():
+    big = torch.arange(10_000, dtype=torch.float32)
+    enc = encode({"a": big, "b": np.arange(1000, dtype=np.int64)})
+    assert enc.data_offset % ALIGN == 0 and all(o % ALIGN == 0 for o in enc.offsets)
+    blob = enc.to_bytes()
+    out = decode(blob)
+    # the decoded tensor is a view of the blob, not a copy
+    out["a"][0] = 42.0
+    assert np.frombuffer(blob, np.float32, count=1, offset=enc.data_offset + enc.offsets[0])[0] == 42.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(60.0).reshape(3, 4, 5).permute(2, 0, 1),  # permuted view: strides kept
+    lambda: torch.arange(60.0).reshape(3, 4, 5).transpose(0, 2),
+    lambda: torch.arange(60.0).reshape(3, 4, 5)[:, 1:3],  # non-dense slice: stored contiguous
+    lambda: torch.zeros(0, 3),
+    lambda: torch.tensor(3.5),
+    lambda: torch.tensor([True, False]),
+    lambda: torch.randn(4, 4, dtype=torch.float64).to(torch.bfloat16),
+    lambda: torch.randn(3, dtype=torch.complex64),
+    lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    lambda: np.arange(6, dtype=">i4"),
+    lambda: np.float32(1.5),
+    lambda: np.int64(-7),
+    lambda: np.bool_(True),
+])
+def test_tensor_and_array_kinds(make):
+    value = make()
+    out = roundtrip({"v": value})["v"]
+    if isinstance(value, torch.Tensor) and not value.is_contiguous() and value.shape == (3, 2, 5):
+        assert out.is_contiguous()  # a non-dense slice comes back contiguous, values equal
+        assert torch.equal(out, value)
+    elif isinstance(value, np.ndarray) and value.dtype.byteorder == ">":
+        assert np.array_equal(out, value) and out.dtype == value.dtype.newbyteorder("<")
+    else:
+        assert_same({"v": value}, {"v": out})
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
+    st.complex_numbers(allow_nan=False), st.binary(max_size=300),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.integers()), inner, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values)
+def test_nested_python_values_roundtrip(value):
+    assert_same(value, roundtrip(value))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8]),
+    st.lists(st.integers(1, 5), min_size=0, max_size=4),
+    st.integers(0, 2**31),
+)
+def test_tensors_roundtrip_with_lossless_downcast_bit_for_bit(dtype, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randint(-300, 300, shape, generator=g)).to(dtype) if dtype != torch.uint8 else torch.randint(0, 255, shape, generator=g).to(dtype)
+    if dtype.is_floating_point and seed % 2:
+        t = t / 7  # non-integral floats must not be squeezed into integers
+    if dtype.is_floating_point and seed % 3 == 0 and t.numel():
+        t.view(-1)[0] = -0.0  # negative zero must survive bit for bit
+    out = roundtrip({"t": t}, downcast=True)["t"]
+    assert out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(bits(out), bits(t))
+
+
+def test_downcast_stores_small_types():
+    labels = torch.randint(0, 3, (32, 32, 32)).float()
+    ct = torch.randint(-1024, 3000, (32, 32, 32)).float()
+    plain = encode({"l": labels, "c": ct}).nbytes
+    small = encode({"l": labels, "c": ct}, downcast=True)
+    header = json.loads(small.header)
+    stored = [n["sd"] for n in header["root"]["v"]]
+    assert stored == ["uint8", "int16"]
+    assert small.nbytes < plain * 0.4
+
+
+def test_lossy_per_key_is_explicit():
+    img = torch.rand(16, 16) * 100
+    enc = encode({"image": img, "label": img.clone()}, lossy={"image": torch.float16})
+    out = decode(enc.to_bytes())
+    assert out["image"].dtype == torch.float32
+    assert torch.allclose(out["image"], img, rtol=1e-3) and not torch.equal(out["image"], img)
+    assert torch.equal(out["label"], img)  # other keys untouched
+
+
+class Opaque:
+    pass
+
+
+def test_unsupported_value_names_key_path_and_type():
+    item = {"image": MetaTensor(torch.zeros(2), meta={"bad": [1, Opaque()]})}
+    with pytest.raises(UnsupportedValueError) as e:
+        encode(item)
+    msg = str(e.value)
+    assert "item['image'].meta['bad'][1]" in msg and "Opaque" in msg and "allow_pickle=True" in msg
+
+
+def test_pickle_only_on_explicit_opt_in():
+    value = {"obj": Color.RED, "other": Opaque()}
+    with pytest.raises(UnsupportedValueError):
+        encode({"o": Opaque()})
+    blob = encode(value, allow_pickle=True).to_bytes()
+    with pytest.raises(CorruptEntryError, match="allow_pickle"):
+        decode(blob)
+    out = decode(blob, allow_pickle=True)
+    assert isinstance(out["other"], Opaque) and out["obj"] is Color.RED
+
+
+def make_blob(root, buffers=(), data=b"", header=None):
+    """A well-formed blob around a hand-written header (to reach the decoder's checks past the checksum)."""
+    header = header or json.dumps({"root": root, "buffers": list(buffers)}).encode()
+    data_offset = (40 + len(header) + ALIGN - 1) // ALIGN * ALIGN
+    total = data_offset + len(data)
+    prefix = struct.pack("<8sIIQQII", MAGIC, FORMAT_VERSION, 0, len(header), total, zlib.crc32(header), 0)
+    return prefix + header + bytes(data_offset - 40 - len(header)) + data
+
+
+def test_enum_from_unloaded_module_is_refused():
+    assert decode(make_blob({"~": "e", "c": "monai.utils.enums:SpaceKeys", "v": "RAS"})) is SpaceKeys.RAS
+    with pytest.raises(CorruptEntryError, match="not loaded"):
+        decode(make_blob({"~": "e", "c": "evil_mod_xyz.enums:Color", "v": "red"}))
+    assert "evil_mod_xyz" not in sys.modules
+    with pytest.raises(CorruptEntryError, match="not an enum"):
+        decode(make_blob({"~": "e", "c": "os:system", "v": "true"}))
+
+
+@pytest.mark.parametrize("root, buffers, data", [
+    ({"~": "T", "dt": "float32", "sh": [10**12], "b": 0}, [[0, 16]], bytes(64)),  # huge claimed shape
+    ({"~": "T", "dt": "float32", "sh": [4], "b": 0}, [[-64, 16]], bytes(64)),  # negative offset
+    ({"~": "T", "dt": "float32", "sh": [4], "b": 0}, [[0, 16], [8, 16]], bytes(64)),  # overlapping
+    ({"~": "T", "dt": "float32", "sh": [4], "b": 3}, [[0, 16]], bytes(64)),  # buffer index out of range
+    ({"~": "T", "dt": "object", "sh": [4], "b": 0}, [[0, 16]], bytes(64)),  # unknown dtype
+    ({"~": "N", "dt": "|O", "sh": [2], "b": 0}, [[0, 16]], bytes(64)),  # numpy object arrays
+    ({"~": "T", "dt": "float32", "sh": [-4], "b": 0}, [[0, 16]], bytes(64)),
+    ({"~": "zz"}, [], b""),
+    ({"~": "d", "k": [[1]], "v": [1]}, [], b""),  # unhashable key
+])
+def test_decoder_rejects_hostile_headers(root, buffers, data):
+    with pytest.raises(CorruptEntryError):
+        decode(make_blob(root, buffers, data))
+
+
+def test_decoder_rejects_deep_nesting():
+    for depth in (200, 100_000):
+        header = b'{"root":' + b"[" * depth + b"1" + b"]" * depth + b',"buffers":[]}'
+        with pytest.raises(CorruptEntryError):
+            decode(make_blob(None, header=header))
+
+
+def test_decoder_rejects_damage():
+    blob = encode({"a": torch.arange(1000.0), "b": "x"}).to_bytes()
+    with pytest.raises(CorruptEntryError):
+        decode(blob[:-1])  # truncated
+    with pytest.raises(CorruptEntryError):
+        decode(b"")
+    with pytest.raises(CorruptEntryError):
+        decode(pickle.dumps({"a": 1}))  # foreign
+    bad = bytearray(blob)
+    bad[45] ^= 0xFF  # header bit flip
+    with pytest.raises(CorruptEntryError):
+        decode(bad)
+    with pytest.raises(CorruptEntryError):
+        decode(os.urandom(len(blob)))

@@ -1,0 +1,323 @@
+"""The shared-memory store, with real /dev/shm, real independent processes and real SIGKILLs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
+
+PY = sys.executable
+
+
+def spawn(code: str, **kw) -> subprocess.Popen:
+    """Start an independent Python process (like torchrun starts a rank) running ``code``."""
+    return subprocess.Popen(
+        [PY, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, **kw,
+    )
+
+
+def run(code: str, timeout: float = 60) -> str:
+    p = spawn(code)
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err
+    return out
+
+
+def item(i: int) -> dict:
+    return {"image": torch.full((64, 64), float(i)), "index": i, "name": f"case{i}"}
+
+
+def test_permissions_owner_only(shm_dir):
+    store = SharedMemoryStore("k1", 2)
+    store[0] = item(0)
+    root = cache_root(shm_dir)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o700
+    for name in os.listdir(store.path):
+        assert stat.S_IMODE(os.stat(os.path.join(store.path, name)).st_mode) & 0o077 == 0, name
+    store.release()
+
+
+def test_root_owned_by_someone_else_is_refused(shm_dir):
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    os.mkdir(root, 0o777)
+    os.chown(root, 65534, 65534)  # "nobody" pre-created our directory: it could plant entries
+    with pytest.raises(PermissionError, match="not a directory owned by"):
+        SharedMemoryStore("k", 1)
+
+
+def test_get_set_len_and_negative_index(shm_dir):
+    store = SharedMemoryStore("k2", 3)
+    assert len(store) == 3 and store[0] is None and store[-1] is None
+    store[2] = item(2)
+    got = store[-1]
+    assert torch.equal(got["image"], item(2)["image"]) and got["name"] == "case2"
+    with pytest.raises(IndexError):
+        store[3]
+    store.release()
+
+
+def test_reads_are_zero_copy_and_copy_on_write(shm_dir):
+    store = SharedMemoryStore("k3", 1)
+    store[0] = {"image": torch.arange(100_000, dtype=torch.float32)}
+    a = store[0]["image"]
+    # zero-copy: the tensor's memory lies inside a mapping of the entry file
+    ptr = a.data_ptr()
+    with open("/proc/self/maps") as f:
+        maps = [line for line in f if store.path in line]
+    assert any(int(r.split()[0].split("-")[0], 16) <= ptr < int(r.split()[0].split("-")[1], 16) for r in maps)
+    a.mul_(-1)  # a random transform writing into its input...
+    a[5] = 1e9
+    b = store[0]["image"]  # ...never changes the shared copy
+    assert torch.equal(b, torch.arange(100_000, dtype=torch.float32))
+    store.release()
+
+
+def test_independent_processes_share_and_exit_does_not_unlink(shm_dir):
+    writer = f"""
+        import torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("shared", 4)
+        for i in range(4):
+            s[i] = {{"x": torch.full((1000,), float(i))}}
+        print(s.path, flush=True)
+        input()  # stay alive until told
+    """
+    p = spawn(writer)
+    path = p.stdout.readline().strip()
+    store = SharedMemoryStore("shared", 4)
+    assert store.path == path
+    assert float(store[3]["x"][0]) == 3.0
+    # an independently started reader attaches, reads, exits: Python 3.11's resource tracker would unlink
+    # multiprocessing.shared_memory segments here; our entries must survive
+    run("""
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("shared", 4)
+        assert float(s[1]["x"][0]) == 1.0
+    """)
+    p.communicate("\n", timeout=30)
+    assert p.returncode == 0
+    assert sorted(n for n in os.listdir(path) if n.endswith(".e")) == ["0.e", "1.e", "2.e", "3.e"]
+    assert float(store[2]["x"][5]) == 2.0
+    store.release()  # last user leaves normally: the cache goes away
+    assert not os.path.exists(path)
+
+
+def test_last_process_exit_removes_cache(shm_dir):
+    out = run("""
+        import torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("gone", 2)
+        s[0] = {"x": torch.zeros(10)}
+        print(s.path)
+    """)
+    assert not os.path.exists(out.strip())
+    assert list_caches() == []
+
+
+def test_crash_leftovers_are_reclaimed_and_keep_warm_survives(shm_dir):
+    crash = """
+        import os, signal, torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("{key}", 2, keep_warm={keep})
+        s[0] = {{"x": torch.ones(10)}}
+        print(s.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    p = spawn(crash.format(key="crashed", keep=False))
+    stale_path = p.stdout.readline().strip()
+    p.wait(30)
+    assert p.returncode == -signal.SIGKILL and os.path.isdir(stale_path)
+    assert [c["state"] for c in list_caches() if c["key"] == "crashed"] == ["stale"]
+    # a kept cache outlives its users on purpose
+    p = spawn(crash.format(key="warm", keep=True))
+    warm_path = p.stdout.readline().strip()
+    p.wait(30)
+    # the next process to join any cache reclaims the stale one, but not the kept one
+    other = SharedMemoryStore("other", 1)
+    assert not os.path.exists(stale_path)
+    assert os.path.exists(warm_path)
+    warm = SharedMemoryStore("warm", 2, keep_warm=True)
+    assert torch.equal(warm[0]["x"], torch.ones(10))  # the next run starts warm
+    warm.release()
+    other.release()
+    assert os.path.exists(warm_path)
+    assert remove_cache("warm")
+    assert not os.path.exists(warm_path)
+
+
+def test_same_key_after_crash_starts_afresh(shm_dir):
+    p = spawn("""
+        import os, signal, torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("again", 2)
+        s[0] = {"x": torch.ones(10)}
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p.wait(30)
+    store = SharedMemoryStore("again", 2)
+    assert store[0] is None  # leftovers of a crashed run are not trusted by default
+    assert store.stats()["machine"]["entries"] == 0
+    store.release()
+
+
+def test_compute_once_across_processes(shm_dir, tmp_path):
+    log = tmp_path / "computed"
+    code = f"""
+        import os, time, torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("once", 1)
+        print("joined", flush=True)
+        input()  # start together
+        def compute():
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(1.0)
+            return {{"x": torch.arange(10.0)}}
+        v = s.get_or_compute(0, compute)
+        assert torch.equal(v["x"], torch.arange(10.0))
+        print("ok", flush=True)
+    """
+    procs = [spawn(code) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "joined"
+    for p in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and "ok" in out, err
+    assert len(log.read_text().split()) == 1
+
+
+def test_dead_holder_never_blocks(shm_dir):
+    holder = spawn("""
+        import time
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("blocked", 1)
+        def compute():
+            print("computing", flush=True)
+            time.sleep(600)
+        s.get_or_compute(0, compute)
+    """)
+    assert holder.stdout.readline().strip() == "computing"
+    store = SharedMemoryStore("blocked", 1)
+    assert store.get_or_compute(0, lambda: {"x": 1}, wait=False) is None  # someone is on it
+    holder.kill()
+    holder.wait(30)
+    t0 = time.monotonic()
+    assert store.get_or_compute(0, lambda: {"x": 2}) == {"x": 2}
+    assert time.monotonic() - t0 < 10
+    store.release()
+
+
+def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
+    rng = np.random.default_rng(0)
+    writer = """
+        import itertools, torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("killed", 64, keep_warm=True)
+        print("ready", flush=True)
+        for n in itertools.count():  # keep writing (and rewriting) until killed
+            i = n % 64
+            s.clear() if i == 0 else None
+            s[i] = {"x": torch.full((1_000_000,), float(i)), "i": i}
+    """
+    killed_mid_write = 0
+    for trial in range(5):
+        p = spawn(writer)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(float(rng.uniform(0.05, 0.3)))
+        p.kill()
+        p.wait(30)
+        path = os.path.join(cache_root(), "killed")
+        killed_mid_write += any(n.startswith(".tmp.") for n in os.listdir(path))
+        # every entry a reader accepts is complete and right
+        store = SharedMemoryStore("killed", 64, keep_warm=True)
+        for i in range(64):
+            got = store[i]
+            if got is not None:
+                assert got["i"] == i and got["x"].shape == (1_000_000,) and bool((got["x"] == i).all())
+        store.release()
+    assert remove_cache("killed", force=True)
+    # (most trials catch a write in flight; the check above is what matters)
+    assert killed_mid_write >= 1
+
+
+def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir):
+    store = SharedMemoryStore("corrupt", 2)
+    store[0] = item(0)
+    entry = os.path.join(store.path, "0.e")
+    with open(entry, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store[0] is None
+        assert store[0] is None
+    assert len([w for w in caught if "corrupt" in str(w.message)]) == 1
+    assert not os.path.exists(entry)
+    got = store.get_or_compute(0, lambda: item(0))
+    assert got["name"] == "case0" and os.path.exists(entry)
+    assert store.stats()["machine"]["corrupt"] == 1
+    store.release()
+
+
+def test_budget_full_degrades_with_one_warning(shm_dir):
+    one = SharedMemoryStore("measure", 1)
+    one[0] = item(0)
+    size = one.stats()["machine"]["bytes"]
+    one.release()
+    store = SharedMemoryStore("budget", 10, budget=int(size * 3.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = [store.get_or_compute(i, lambda i=i: item(i)) for i in range(10)]
+        again = [store.get_or_compute(i, lambda i=i: item(i)) for i in range(10)]
+    full = [w for w in caught if "full" in str(w.message)]
+    assert len(full) == 1, [str(w.message) for w in caught]
+    assert "shm_budget" in str(full[0].message) and "--shm-size" in str(full[0].message)
+    assert [o["index"] for o in out] == list(range(10)) == [o["index"] for o in again]
+    machine = store.stats()["machine"]
+    assert machine["entries"] == 3 and machine["skipped"] >= 7
+    assert not any(n.startswith(".tmp.") for n in os.listdir(store.path))
+    store.release()
+
+
+def test_small_tmpfs_running_out(tiny_tmpfs):
+    store = SharedMemoryStore("tiny", 20, shm_dir=tiny_tmpfs, reserve=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = [store.get_or_compute(i, lambda i=i: {"x": torch.full((100_000,), float(i))}) for i in range(20)]
+    assert [float(o["x"][0]) for o in out] == [float(i) for i in range(20)]
+    full = [w for w in caught if "full" in str(w.message)]
+    assert len(full) == 1
+    entries = store.stats()["machine"]["entries"]
+    assert 3 <= entries < 20  # 4 MiB hold some 400 KB entries, not all
+    assert not any(n.startswith(".tmp.") for n in os.listdir(store.path))
+    for i in range(20):
+        got = store[i]
+        assert got is None or float(got["x"][-1]) == float(i)
+    store.release()
+
+
+def test_pickled_store_reopens_same_cache(shm_dir):
+    import pickle
+
+    store = SharedMemoryStore("pickled", 2)
+    store[1] = item(1)
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.path == store.path and clone[1]["name"] == "case1"
+    clone.release()
+    store.release()
