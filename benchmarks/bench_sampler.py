@@ -1,0 +1,329 @@
+"""Benchmark: cache hit rate, epoch time, coverage and batch mixing of ShardedDistributedSampler.
+
+Run ``python benchmarks/bench_sampler.py [--quick]``. Not a timed test; it prints tables.
+
+1. A 2-rank run (gloo, each rank an independent process started like torchrun starts it). Each rank keeps a
+   private cache of what one rank can afford (``ceil(n / 2)`` items, first come first kept); a miss costs a fixed,
+   deterministic numpy computation. Compared: torch's ``DistributedSampler``, VisCy's sharded scheme
+   (re-implemented below from its description) and this package's sampler. Reported: hit rate per epoch, wall and
+   CPU seconds per epoch, medians over repeats, ratios against torch measured in the same run.
+2. Coverage over several epochs when the length does not divide by the world size (computed from the samplers).
+3. Batch mixing for 4 simulated ranks, 2 per node: the share of all item pairs that ever meet in a per-rank batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from monai_cache.sampler import ShardedDistributedSampler  # noqa: E402
+
+SAMPLERS = ("torch", "viscy", "sharded")
+
+
+class VisCyStyleSampler(DistributedSampler):
+    """VisCy's ``ShardedDistributedSampler`` scheme, re-implemented from its description.
+
+    ``num_samples`` (torch's: ``ceil`` of ``n / world``, or ``floor`` with ``drop_last``) consecutive indices
+    per rank, shard ``i`` starting at ``min(i * num_samples, n - num_samples)``: when the length does not
+    divide, the last shard overlaps the one before (the same items read twice every epoch), and with
+    ``drop_last=True`` the tail past ``world * num_samples`` is never read. Each epoch every shard is shuffled
+    with a generator seeded by ``seed + epoch``.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        size = self.num_samples
+        gen = torch.Generator()
+        gen.manual_seed(self.seed + self.epoch)
+        perms = [
+            torch.randperm(size, generator=gen) if self.shuffle else torch.arange(size)
+            for _ in range(self.num_replicas)
+        ]
+        start = min(self.rank * size, n - size)
+        return iter((perms[self.rank] + start).tolist())
+
+
+def make_sampler(kind: str, n: int, world: int | None, rank: int | None, **kw) -> DistributedSampler:
+    data = range(n)
+    if kind == "torch":
+        return DistributedSampler(data, world, rank, **kw)
+    if kind == "viscy":
+        return VisCyStyleSampler(data, world, rank, **kw)
+    if kind == "sharded":
+        return ShardedDistributedSampler(data, world, rank, **kw)
+    if kind == "sharded_node":
+        return ShardedDistributedSampler(data, world, rank, shard_by="node", local_world_size=2, **kw)
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- 2-rank gloo run (worker side)
+
+
+def miss_work(i: int, elems: int) -> float:
+    """A deterministic numpy computation standing in for loading + transforming one item."""
+    x = np.arange(elems, dtype=np.float64) * (1.0 + i * 1e-6)
+    return float(np.sqrt(x).sum() + np.sin(x[: elems // 4]).sum())
+
+
+def worker(cfg: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n, epochs, batch, elems = cfg["n_items"], cfg["epochs"], cfg["batch_size"], cfg["miss_elems"]
+    capacity = math.ceil(n / world)
+    rows = []
+    for repeat in range(cfg["repeats"]):
+        # rotate the order of the samplers between repeats, so none always runs first
+        order = SAMPLERS[repeat % len(SAMPLERS) :] + SAMPLERS[: repeat % len(SAMPLERS)]
+        for kind in order:
+            sampler = make_sampler(kind, n, None, None, seed=repeat)  # world / rank from the process group
+            cache: dict[int, float] = {}
+            for epoch in range(epochs):
+                sampler.set_epoch(epoch)
+                hits = misses = 0
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                indices = list(sampler)
+                for step in range(0, len(indices), batch):
+                    for i in indices[step : step + batch]:
+                        if i in cache:
+                            hits += 1
+                        else:
+                            misses += 1
+                            value = miss_work(i, elems)
+                            if len(cache) < capacity:
+                                cache[i] = value
+                    dist.all_reduce(torch.ones(1))  # the gradient all-reduce of a training step: lockstep
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                t = torch.tensor([wall, cpu, hits, misses], dtype=torch.float64)
+                tmax = t.clone()
+                dist.all_reduce(t)  # sums: CPU of both ranks, hits, misses
+                dist.all_reduce(tmax, op=dist.ReduceOp.MAX)  # the epoch lasts as long as its slowest rank
+                rows.append({"repeat": repeat, "sampler": kind, "epoch": epoch, "wall": float(tmax[0]),
+                             "cpu": float(t[1]), "hits": int(t[2]), "misses": int(t[3])})  # fmt: skip
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- coordinator side
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo(cfg: dict, world: int = 2, timeout: float = 900.0) -> list[dict]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = {**cfg, "out": os.path.join(tmp, "rows.json")}
+        procs = []
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"worker failed: return codes {[p.returncode for p in procs]}")
+        with open(cfg["out"]) as f:
+            return json.load(f)
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def report_gloo(rows: list[dict], cfg: dict, miss_ms: float) -> None:
+    epochs, repeats = cfg["epochs"], cfg["repeats"]
+    n = cfg["n_items"]
+    print(
+        f"\n## 1. Two ranks (gloo, independent processes), {n} items, per-rank cache of {math.ceil(n / 2)} items, "
+        f"miss = {miss_ms:.1f} ms of numpy; medians of {repeats} repeats\n"
+    )
+
+    def pick(kind, epoch, key):
+        return median(r[key] for r in rows if r["sampler"] == kind and r["epoch"] == epoch)
+
+    def rate(kind, epoch):
+        return median(
+            r["hits"] / (r["hits"] + r["misses"]) for r in rows if r["sampler"] == kind and r["epoch"] == epoch
+        )
+
+    steady = range(1, epochs)
+    head = "| sampler | " + " | ".join(f"hit e{e}" for e in range(epochs)) + " | hit e>=1 | vs torch |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    torch_steady = statistics.mean(rate("torch", e) for e in steady)
+    for kind in SAMPLERS:
+        s = statistics.mean(rate(kind, e) for e in steady)
+        cells = " | ".join(f"{rate(kind, e):.0%}" for e in range(epochs))
+        print(f"| {kind} | {cells} | {s:.0%} | {s / torch_steady:.2f}x |")
+
+    print()
+    head = (
+        "| sampler | wall s, e0 | wall s/epoch, e>=1 | CPU s/epoch, e>=1 (both ranks) | wall vs torch | CPU vs torch |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+
+    def steady_median(kind, key):
+        # per repeat: mean over the steady epochs; then the median over repeats
+        per_rep = [
+            statistics.mean(r[key] for r in rows if r["sampler"] == kind and r["repeat"] == rep and r["epoch"] >= 1)
+            for rep in range(repeats)
+        ]
+        return median(per_rep)
+
+    tw, tc = steady_median("torch", "wall"), steady_median("torch", "cpu")
+    for kind in SAMPLERS:
+        w, c = steady_median(kind, "wall"), steady_median(kind, "cpu")
+        print(f"| {kind} | {pick(kind, 0, 'wall'):.3f} | {w:.3f} | {c:.3f} | {w / tw:.2f}x | {c / tc:.2f}x |")
+
+
+def report_coverage(n: int, world: int, epochs: int) -> None:
+    print(
+        f"\n## 2. Coverage over {epochs} epochs, {n} items on {world} ranks (not divisible), "
+        "computed from the samplers\n"
+    )
+    capacity = math.ceil(n / world)
+    head = (
+        "| sampler | drop_last | never read | read twice in every epoch "
+        f"| cache miss rate e>=1 (per-rank cache of {capacity} items) |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for drop_last, kind in itertools.product((False, True), SAMPLERS):
+        ss = [make_sampler(kind, n, world, r, drop_last=drop_last) for r in range(world)]
+        caches: list[set[int]] = [set() for _ in range(world)]
+        seen: set[int] = set()
+        dup_every = set(range(n))
+        misses = reads_after_first = 0
+        for e in range(epochs):
+            reads = []
+            for s in ss:
+                s.set_epoch(e)
+                reads.append(list(s))
+            counts = Counter(i for r in reads for i in r)
+            seen |= set(counts)
+            dup_every &= {i for i, c in counts.items() if c > 1}
+            for cache, r in zip(caches, reads):
+                for i in r:
+                    if i not in cache:
+                        misses += e > 0
+                        if len(cache) < capacity:
+                            cache.add(i)
+                reads_after_first += len(r) * (e > 0)
+        print(f"| {kind} | {drop_last} | {n - len(seen)} | {len(dup_every)} | {misses / reads_after_first:.1%} |")
+
+
+def report_mixing(n: int, batch: int, epochs: int, world: int = 4) -> None:
+    print(
+        f"\n## 3. Batch mixing, {world} simulated ranks (2 per node), {n} items, batch {batch} per rank, {epochs} "
+        "epochs: share of all item pairs that ever meet in a batch\n"
+    )
+    head = (
+        "| sampler | per-rank batch: pairs met | share of all pairs | vs torch | ceiling (pairs within a shard) "
+        "| global batch (all ranks, one step): share |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    all_pairs = n * (n - 1) // 2
+    results = {}
+    for kind in ("torch", "sharded", "sharded_node"):
+        ss = [make_sampler(kind, n, world, r) for r in range(world)]
+        local: set[tuple[int, int]] = set()
+        glob: set[tuple[int, int]] = set()
+        for e in range(epochs):
+            per_rank = []
+            for s in ss:
+                s.set_epoch(e)
+                per_rank.append(list(s))
+            for b in range(0, len(per_rank[0]), batch):
+                step = [sorted(set(idx[b : b + batch])) for idx in per_rank]
+                for items in step:
+                    local.update(itertools.combinations(items, 2))
+                glob.update(itertools.combinations(sorted(set().union(*step)), 2))
+        if kind == "torch":
+            ceiling = all_pairs
+        else:
+            shards = {tuple(s.shard_indices()) for s in ss}
+            ceiling = sum(len(sh) * (len(sh) - 1) // 2 for sh in shards)
+        results[kind] = (len(local), ceiling, len(glob))
+    for kind, (count, ceiling, glob_count) in results.items():
+        label = {"sharded": "sharded, shard_by='rank'", "sharded_node": "sharded, shard_by='node'"}.get(kind, kind)
+        print(
+            f"| {label} | {count} | {count / all_pairs:.1%} | {count / results['torch'][0]:.2f}x "
+            f"| {ceiling / all_pairs:.0%} | {glob_count / all_pairs:.1%} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes; well under a minute")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    if args.quick:
+        cfg = {"n_items": 96, "epochs": 3, "repeats": 3, "batch_size": 4, "miss_elems": 150_000}
+        cov = (101, 4, 8)
+        mix = (96, 4, 10)
+    else:
+        cfg = {"n_items": 400, "epochs": 5, "repeats": 5, "batch_size": 4, "miss_elems": 300_000}
+        cov = (101, 4, 30)
+        mix = (200, 4, 30)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        miss_work(0, cfg["miss_elems"])
+    miss_ms = median([_timed(miss_work, i, cfg["miss_elems"]) for i in range(15)]) * 1e3
+    print(f"# ShardedDistributedSampler benchmark ({'quick' if args.quick else 'full'}); {os.cpu_count()} CPU cores")
+    rows = run_gloo(cfg)
+    report_gloo(rows, cfg, miss_ms)
+    report_coverage(*cov)
+    report_mixing(*mix)
+    print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+
+
+def _timed(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
