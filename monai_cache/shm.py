@@ -298,6 +298,10 @@ class _Directory:
         """Drop this process's lease; remove the cache if nobody else holds one. True if removed."""
         if self.lease_fd < 0 or os.getpid() != self.owner_pid:
             return False
+        if not os.path.isdir(self.path):  # removed under us (monai-cache clear --all): nothing left to do
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+            return False
         with _RootLock(self.root):
             os.close(self.lease_fd)
             self.lease_fd = -1

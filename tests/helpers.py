@@ -14,6 +14,7 @@ from monai.transforms import (
     EnsureChannelFirstd,
     LoadImaged,
     MapTransform,
+    RandomizableTrait,
     Orientationd,
     RandSpatialCropd,
     ScaleIntensityRanged,
@@ -88,3 +89,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Times10(MapTransform):
+    """Deterministic: x -> 10 x (for hash_as_key tests on plain numbers)."""
+
+    def __call__(self, data: Mapping) -> dict:
+        d = dict(data)
+        for k in self.key_iterator(d):
+            d[k] = d[k] * 10
+        return d
+
+
+class RandZeroInPlace(MapTransform, RandomizableTrait):
+    """A random-position transform that writes into its input in place (the worst case for a shared cache)."""
+
+    def __call__(self, data: Mapping) -> dict:
+        d = dict(data)
+        for k in self.key_iterator(d):
+            d[k].mul_(0)
+        return d

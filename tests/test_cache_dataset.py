@@ -1,0 +1,254 @@
+"""monai_cache.CacheDataset against monai.data.CacheDataset: same outputs, one shared cache, MONAI bugs fixed."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import Counter
+
+import monai.data
+import numpy as np
+import pytest
+import torch
+from helpers import RandZeroInPlace, Times10, chain, read_calls
+from monai.data import DataLoader
+from monai.transforms import Compose
+from test_codec import assert_same
+
+import monai_cache
+
+
+def without_ids(x):
+    """Applied-operation records carry id(transform); equal chains built twice differ only there."""
+    if isinstance(x, dict):
+        return {k: without_ids(v) for k, v in x.items() if k != "id"}
+    if isinstance(x, list):
+        return [without_ids(v) for v in x]
+    return x
+
+
+def outputs(ds, seed, n=None):
+    ds.transform.set_random_state(seed)
+    return [ds[i] for i in range(n or len(ds))]
+
+
+@pytest.mark.parametrize("runtime_cache", [False, True, "processes"])
+@pytest.mark.parametrize("copy_cache", [True, False])
+def test_same_tensors_and_metadata_as_monai(shm_dir, volumes, runtime_cache, copy_cache):
+    tr = chain()
+    kw = dict(transform=tr, progress=False, copy_cache=copy_cache, runtime_cache=runtime_cache)
+    ref = monai.data.CacheDataset(volumes, **kw)
+    ours = monai_cache.CacheDataset(volumes, **kw)
+    assert isinstance(ours, monai.data.CacheDataset)
+    for epoch in range(2):  # miss then hit for the runtime modes
+        expected = outputs(ref, 100 + epoch)
+        got = outputs(ours, 100 + epoch)
+        for e, g in zip(expected, got):
+            assert_same(e, g)
+    if runtime_cache == "processes":
+        assert "ListProxy" not in type(ours._cache).__name__  # shared memory, not a Manager
+    ours.release()
+
+
+def test_compatible_cache_attributes(shm_dir, volumes):
+    tr = chain(crop=None)
+    ref = monai.data.CacheDataset(volumes, tr, cache_rate=0.5, progress=False)
+    ours = monai_cache.CacheDataset(volumes, tr, cache_rate=0.5, progress=False)
+    assert ours.cache_num == ref.cache_num == 4 and len(ours._cache) == len(ref._cache) == 4
+    for i in range(4):
+        assert_same(ref._cache[i], ours._cache[i])
+    assert [x is not None for x in ours._cache] == [True] * 4
+    assert ours._hash_keys == ref._hash_keys == []
+    # items past cache_num are computed on the fly, as in MONAI
+    assert_same(ref[6], ours[6])
+    assert_same(ref[-1], ours[-1])
+    h_ref = monai.data.CacheDataset(volumes + volumes[:2], tr, hash_as_key=True, progress=False)
+    h_ours = monai_cache.CacheDataset(volumes + volumes[:2], tr, hash_as_key=True, progress=False)
+    assert h_ours._hash_keys == h_ref._hash_keys and h_ours.cache_num == 8
+
+
+def test_hash_as_key_with_runtime_cache_returns_the_right_item(shm_dir):
+    """MONAI bug: the lazy path loads data[cache_position] instead of the item for that hash."""
+    data = [{"x": 0}, {"x": 1}, {"x": 1}, {"x": 2}]
+    tr = Compose([Times10(keys="x")])
+    ref = monai.data.CacheDataset(data, tr, hash_as_key=True, runtime_cache=True, progress=False)
+    assert [ref[i]["x"] for i in range(4)] == [0, 10, 10, 10]  # MONAI's wrong answer (documented)
+    for shared in (True, False):
+        ours = monai_cache.CacheDataset(
+            data, tr, hash_as_key=True, runtime_cache=True, progress=False, shared_memory=shared
+        )
+        assert [ours[i]["x"] for i in range(4)] == [0, 10, 10, 20]
+        assert ours.cache_num == 3
+
+
+def test_transform_writing_in_place_never_changes_the_cache(shm_dir, volumes):
+    for copy_cache in (True, False):
+        ds = monai_cache.CacheDataset(
+            volumes[:2], Compose([*chain(crop=None).transforms, RandZeroInPlace(keys="image")]),
+            copy_cache=copy_cache, progress=False,
+        )
+        assert float(ds[0]["image"].abs().sum()) == 0.0  # the transform zeroed its input...
+        cached = ds._cache[0]["image"]
+        assert float(cached.abs().sum()) > 0  # ...but the shared copy is intact
+        assert float(ds[0]["image"].abs().sum()) == 0.0
+        assert torch.equal(ds._cache[0]["image"], cached)
+        ds.release()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context):
+    """runtime_cache=True with worker processes: MONAI caches nothing useful; ours computes each item once."""
+    log_ref, log_ours = str(tmp_path / "ref"), str(tmp_path / "ours")
+    n = len(volumes)
+
+    def run(ds, log):
+        torch.manual_seed(7)
+        loader = DataLoader(
+            ds, batch_size=2, num_workers=2, multiprocessing_context=context, shuffle=True,
+            persistent_workers=context == "spawn",  # spawning imports MONAI anew: do it once, not per epoch
+        )
+        batches = []
+        for _ in range(3):
+            batches += [b["image"].as_tensor().clone() for b in loader]
+        return batches, Counter(case for _, case in read_calls(log))
+
+    ref_batches, ref_calls = run(monai.data.CacheDataset(volumes, chain(log_ref), runtime_cache=True, progress=False), log_ref)
+    ours = monai_cache.CacheDataset(volumes, chain(log_ours), runtime_cache=True, progress=False)
+    our_batches, our_calls = run(ours, log_ours)
+    assert sum(ref_calls.values()) > n  # MONAI recomputes in every worker of every epoch
+    assert our_calls == Counter(range(n))  # once per item, shared by both workers and all epochs
+    assert len(our_batches) == len(ref_batches)
+    for a, b in zip(ref_batches, our_batches):  # same seeds, same random crops
+        assert torch.equal(a, b)
+    stats = ours.cache_stats()["machine"]
+    assert stats["entries"] == n and stats["misses"] == n and stats["hits"] >= 2 * n
+
+
+def test_eager_fill_matches_monai_and_counts(shm_dir, volumes, tmp_path):
+    log = str(tmp_path / "calls")
+    ds = monai_cache.CacheDataset(volumes, chain(log), num_workers=2, progress=True)
+    assert Counter(c for _, c in read_calls(log)) == Counter(range(len(volumes)))
+    stats = ds.cache_stats()
+    assert stats["machine"]["entries"] == len(volumes) and stats["process"]["misses"] == len(volumes)
+    assert stats["machine"]["bytes"] > 0
+    # a second dataset object with the same data and transforms finds the cache filled: computes nothing
+    again = monai_cache.CacheDataset(volumes, chain(log), num_workers=2, progress=False)
+    assert again._cache.path == ds._cache.path
+    assert len(read_calls(log)) == len(volumes)
+
+
+def test_different_datasets_never_collide(shm_dir, volumes):
+    train = monai_cache.CacheDataset(volumes[:4], chain(), progress=False)
+    val = monai_cache.CacheDataset(volumes[4:], chain(), progress=False)
+    other_chain = monai_cache.CacheDataset(volumes[:4], chain(crop=None, log_path=None), progress=False)
+    assert train._cache.path != val._cache.path
+    scaled = Compose([t for t in chain(crop=None).transforms])
+    scaled.transforms[-1].scaler.a_max = 300  # a changed deterministic transform is another cache
+    changed = monai_cache.CacheDataset(volumes[:4], scaled, progress=False)
+    assert changed._cache.path != other_chain._cache.path
+    assert train._cache[0]["image"].meta["filename_or_obj"] == volumes[0]["image"]
+    assert val._cache[0]["image"].meta["filename_or_obj"] == volumes[4]["image"]
+
+
+def test_set_data_recomputes_and_releases_old_entries(shm_dir, volumes):
+    ds = monai_cache.CacheDataset(volumes[:3], chain(crop=None), progress=False)
+    old = ds._cache.path
+    ds.set_data(volumes[3:6])
+    assert not os.path.exists(old)
+    assert ds._cache.path != old and ds.cache_num == 3
+    assert ds[0]["image"].meta["filename_or_obj"] == volumes[3]["image"]
+    path = ds._cache.path
+    del ds
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)  # garbage collection releases the cache too
+
+
+def test_budget_full_degrades_with_one_warning(shm_dir, volumes):
+    tr = chain(crop=None)
+    ref = monai.data.CacheDataset(volumes, tr, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = monai_cache.CacheDataset(volumes, tr, progress=False, shm_budget="100KB")
+        got = [ds[i] for i in range(len(volumes))]
+    full = [w for w in caught if "cache is full" in str(w.message)]
+    assert len(full) == 1
+    for a, b in zip([ref[i] for i in range(len(volumes))], got):
+        assert_same(a, b)
+    assert ds.cache_stats()["machine"]["bytes"] <= 100_000
+
+
+def test_private_cache_option_gives_monai_behaviour(shm_dir, volumes):
+    ds = monai_cache.CacheDataset(volumes[:2], chain(crop=None), shared_memory=False, progress=False)
+    assert isinstance(ds._cache, list) and os.listdir(shm_dir) == []
+    user = [None, None]
+    ds2 = monai_cache.CacheDataset(volumes[:2], chain(crop=None), runtime_cache=user, progress=False)
+    ds2[1]
+    assert user[0] is None and user[1] is not None  # a user container keeps MONAI's meaning
+
+
+KILLED_WORKER = """
+import os, random, signal, sys, threading
+sys.path.insert(0, {tests!r})
+import monai_cache
+from helpers import chain
+from monai.data import DataLoader
+
+random.seed({seed})
+delay = random.uniform(0.0, 0.3)
+
+def kill_me_soon(worker_id):  # SIGKILL this DataLoader worker at a random moment of its epoch
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+ds = monai_cache.CacheDataset({data!r}, chain(), runtime_cache=True, progress=False, keep_warm=True)
+try:
+    for _ in DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon):
+        pass
+    print("finished before the kill")
+except RuntimeError as e:
+    print("killed" if "killed by signal" in str(e) else f"other error: {{e}}")
+"""
+
+
+def test_worker_killed_mid_epoch_leaves_nothing_bad_and_nothing_blocking(shm_dir, volumes):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    tr = chain()
+    ref = monai.data.CacheDataset(volumes, chain(crop=None), progress=False)
+    outcomes = []
+    for seed in range(3):
+        script = KILLED_WORKER.format(tests=tests, seed=seed, data=volumes)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outcomes.append(r.stdout.strip())
+        # the same dataset in this process finds the kept cache: every entry it accepts is right...
+        ds = monai_cache.CacheDataset(volumes, tr, runtime_cache=True, progress=False, keep_warm=True)
+        for i in range(len(volumes)):
+            entry = ds._cache[i]
+            if entry is not None:
+                assert torch.equal(ref._cache[i]["image"], entry["image"])
+                assert_same(
+                    without_ids(ref._cache[i]["image"].applied_operations),
+                    without_ids(entry["image"].applied_operations),
+                )
+        assert not any(n.startswith(".tmp.") and str(os.getpid()) in n for n in os.listdir(ds._cache.path))
+        # ...and nothing blocks: a full epoch with two workers completes
+        t0 = time.monotonic()
+        assert len(list(DataLoader(ds, batch_size=2, num_workers=2))) == len(volumes) // 2
+        assert time.monotonic() - t0 < 120
+        assert monai_cache.shm.remove_cache(os.path.basename(ds._cache.path), force=True)
+        ds.release()
+    assert "killed" in outcomes, outcomes
+
+
+def test_bundle_target_full_dotted_path(shm_dir, volumes):
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser({"ds": {"_target_": "monai_cache.CacheDataset", "data": volumes[:2], "transform": "$None",
+                                  "progress": False, "runtime_cache": True}})
+    ds = parser.get_parsed_content("ds")
+    assert type(ds) is monai_cache.CacheDataset and ds[0]["case"] == 0
