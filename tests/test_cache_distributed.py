@@ -1,0 +1,80 @@
+"""Independent processes and real torch.distributed (gloo) ranks sharing one node-wide cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+from helpers import free_port, read_calls
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "cache_rank.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch_ranks(world: int, args: list[str]) -> list[dict]:
+    """Start ``world`` ranks as independent processes with torchrun's environment variables."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.parametrize("runtime_cache", [0, 1])
+def test_two_gloo_ranks_compute_each_item_once_on_the_machine(shm_dir, volumes, tmp_path, runtime_cache):
+    data_path, log = tmp_path / "data.json", str(tmp_path / "calls")
+    data_path.write_text(json.dumps(volumes))
+    results = launch_ranks(2, [str(data_path), log, str(runtime_cache), "2"])
+    calls = read_calls(log)
+    # the deterministic transforms ran once per item on the machine, whatever rank or worker needed it
+    assert Counter(case for _, case in calls) == Counter(range(len(volumes)))
+    assert len({pid for pid, _ in calls}) >= 2  # and the work was split among processes
+    seen = sorted(sum((r["seen"] for r in results), []))
+    assert seen == sorted(list(range(len(volumes))) * 2)  # 2 epochs, every item once per epoch
+    assert results[0]["path"] == results[1]["path"]
+    assert results[0]["machine"]["misses"] == len(volumes)
+    assert results[0]["machine"]["entries"] == len(volumes)
+    assert not os.path.exists(results[0]["path"])  # the last rank to exit removed the cache
+    assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
+
+
+def test_second_independent_process_computes_nothing_the_first_cached(shm_dir, volumes, tmp_path):
+    log = str(tmp_path / "calls")
+    build = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {TESTS!r})
+        import monai_cache
+        from helpers import chain
+        ds = monai_cache.CacheDataset({volumes!r}, chain({log!r}), progress=False)
+        print(ds._cache.path, flush=True)
+        input()
+    """)
+    first = subprocess.Popen([sys.executable, "-c", build], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    path = first.stdout.readline().strip()
+    assert path, first.stderr.read()
+    second = subprocess.run([sys.executable, "-c", build], input="\n", capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == path
+    first.communicate("\n", timeout=60)
+    calls = read_calls(log)
+    assert {pid for pid, _ in calls} == {first.pid}  # the second process computed nothing
+    assert sorted(case for _, case in calls) == list(range(len(volumes)))
