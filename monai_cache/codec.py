@@ -40,6 +40,7 @@ tag    meaning
 from __future__ import annotations
 
 import base64
+import binascii
 import enum
 import importlib
 import json
@@ -425,8 +426,8 @@ class _Decoder:
             if not isinstance(raw, str):
                 raise CorruptEntryError("inline buffer is not a string")
             try:
-                return memoryview(bytearray(base64.b64decode(raw, validate=True)))
-            except ValueError as e:
+                return memoryview(bytearray(binascii.a2b_base64(raw, strict_mode=True)))
+            except (ValueError, binascii.Error) as e:
                 raise CorruptEntryError(f"bad inline buffer: {e}") from None
         idx = node.get("b")
         if type(idx) is not int or not 0 <= idx < len(self.buffers):
@@ -487,13 +488,8 @@ class _Decoder:
         return t
 
     def _ndarray(self, node: dict) -> np.ndarray:
-        try:
-            dtype = np.dtype(node.get("dt"))
-            stored = np.dtype(node["sd"]) if "sd" in node else dtype
-        except (TypeError, ValueError) as e:
-            raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
-        if dtype.kind not in _NUMPY_KINDS or stored.kind not in _NUMPY_KINDS or dtype.fields or stored.fields:
-            raise CorruptEntryError(f"numpy dtype {dtype} is not allowed")
+        dtype = _numpy_dtype(node.get("dt"))
+        stored = _numpy_dtype(node["sd"]) if "sd" in node else dtype
         shape = self._shape(node)
         buf = self._bytes(node)
         numel = math.prod(shape)
@@ -544,12 +540,9 @@ class _Decoder:
         if tag == "e":
             return _load_enum(node.get("c"), self.node(node.get("v"), depth + 1))
         if tag == "n":
-            try:
-                dtype = np.dtype(node.get("dt"))
-            except (TypeError, ValueError) as e:
-                raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
+            dtype = _numpy_dtype(node.get("dt"))
             raw = self._bytes(node)
-            if dtype.kind not in _NUMPY_KINDS or raw.nbytes != dtype.itemsize:
+            if raw.nbytes != dtype.itemsize:
                 raise CorruptEntryError(f"bad numpy scalar of {dtype}")
             return np.frombuffer(raw, dtype=dtype)[0]
         if tag == "c":
@@ -560,13 +553,7 @@ class _Decoder:
                 raise CorruptEntryError(f"unknown torch dtype {node.get('v')!r}")
             return dt
         if tag == "nd":
-            try:
-                ndt = np.dtype(node.get("v"))
-            except (TypeError, ValueError) as e:
-                raise CorruptEntryError(f"unknown numpy dtype: {e}") from None
-            if ndt.kind not in _NUMPY_KINDS:
-                raise CorruptEntryError(f"numpy dtype {ndt} is not allowed")
-            return ndt
+            return _numpy_dtype(node.get("v"))
         if tag == "B":
             return bytes(self._bytes(node))
         if tag == "P":
@@ -578,7 +565,40 @@ class _Decoder:
         raise CorruptEntryError(f"unknown node tag {tag!r}")
 
 
+_numpy_dtypes: dict[str, np.dtype] = {}
+
+
+def _numpy_dtype(spec: Any) -> np.dtype:
+    """A plain numeric numpy dtype from its string (cached: meta dicts hold dozens of small arrays)."""
+    dt = _numpy_dtypes.get(spec) if isinstance(spec, str) else None
+    if dt is not None:
+        return dt
+    try:
+        dt = np.dtype(spec) if isinstance(spec, str) else None
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise CorruptEntryError(f"numpy dtype {spec!r} is not allowed")
+    if len(_numpy_dtypes) < 256:
+        _numpy_dtypes[spec] = dt
+    return dt
+
+
+_enum_classes: dict[str, type] = {}
+
+
 def _load_enum(spec: Any, value: Any) -> enum.Enum:
+    cls = _enum_classes.get(spec) if isinstance(spec, str) else None
+    if cls is None:
+        cls = _find_enum(spec)
+        _enum_classes[spec] = cls
+    try:
+        return cls(value)
+    except ValueError:
+        raise CorruptEntryError(f"{value!r} is not a member of {spec}") from None
+
+
+def _find_enum(spec: Any) -> type:
     if not isinstance(spec, str) or ":" not in spec:
         raise CorruptEntryError(f"bad enum class {spec!r}")
     module, qualname = spec.split(":", 1)
@@ -593,10 +613,7 @@ def _load_enum(spec: Any, value: Any) -> enum.Enum:
         raise CorruptEntryError(f"enum class {spec} not found") from None
     if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
         raise CorruptEntryError(f"{spec} is not an enum")
-    try:
-        return obj(value)
-    except ValueError:
-        raise CorruptEntryError(f"{value!r} is not a member of {spec}") from None
+    return obj
 
 
 def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False) -> Any:
