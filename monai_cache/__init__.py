@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
+    "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "CorruptEntryError": "monai_cache.codec",
     "UnsupportedValueError": "monai_cache.codec",
@@ -26,6 +27,7 @@ __all__ = [*sorted(_EXPORTS), "__version__"]
 if TYPE_CHECKING:
     from monai_cache.codec import CorruptEntryError, UnsupportedValueError
     from monai_cache.dataset import CacheDataset
+    from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
 
 
