@@ -102,8 +102,8 @@ class ShardedDistributedSampler(DistributedSampler):
       spreads a sorted dataset (by site, label, size...) evenly over the ranks.
     - **Nodes.** With ``shard_by="node"`` node ``n`` owns the union of the shards of its ranks
       ``n * L ... n * L + L - 1`` (``L = local_world_size``); every epoch that node shard is shuffled and dealt
-      afresh among the node's ranks in contiguous chunks. Batches mix ``L`` times more items than with
-      per-rank shards, and every read still comes from the node's cache.
+      afresh among the node's ranks in contiguous chunks. A rank's batches can then mix ``L`` times more
+      items than with per-rank shards, and every read still comes from the node's cache.
     - **Order.** The epoch order is ``torch.randperm`` of the (node or rank) shard with a private
       :class:`torch.Generator` seeded from ``(seed, epoch, shard)``: a pure function of ``seed``, ``epoch``
       and ``rank``, never the global RNG. ``shuffle=False`` yields the rank's own shard in ascending order (in
@@ -112,10 +112,10 @@ class ShardedDistributedSampler(DistributedSampler):
       ``drop_last=True``), exactly like torch, so collectives in the training step never wait for a rank that
       has run out of data.
     - **Padding and dropping rotate, and stay in the shard.** A shard one item short pads with one of its
-      *own* items (a cache hit), and a shard one item long leaves one of its own items out. Which item is
-      chosen moves along the shard by one position per epoch (``_fit_to_length``): within any ``s``
-      consecutive epochs (``s`` = shard size) each item is padded, or left out, exactly once (node shards:
-      exactly ``p`` / ``d`` times for ``p`` pads / ``d`` drops per epoch). So no item is left out forever and,
+      *own* items (a cache hit), and a shard one item long leaves one of its own items out. The chosen items
+      move along the shard from epoch to epoch: within any ``s`` consecutive epochs (``s`` = shard size) each
+      item is padded, or left out, exactly once (node shards: exactly ``p`` / ``d`` times, for ``p`` pads /
+      ``d`` drops per epoch). So no item is left out forever and,
       once each shard holds at least two items (``len(dataset) >= 2 * W``), no item is duplicated in every
       epoch. Torch pads with the head of a fresh global permutation (items leave the shard, so padded reads
       miss the cache); VisCy's ``ShardedDistributedSampler`` overlaps the last two shards and drops the
