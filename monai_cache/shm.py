@@ -44,6 +44,7 @@ import shutil
 import stat
 import struct
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,9 +57,21 @@ ENV_SHM_DIR = "MONAI_CACHE_SHM_DIR"
 _ENTRY_SUFFIX = ".e"
 _TMP_PREFIX = ".tmp."
 _MISSING = object()
+_CORRUPT = object()
+
+# Small entries are packed one after another into shared segment files (one being appended to per
+# process), so a 16 KiB item costs 16 KiB and not a page-rounded file; an index of fixed 16-byte slots
+# (segment, offset / 64, length, checksum) says where entry i lives. Entries of PACK_LIMIT bytes or more
+# get a file of their own (slot segment STANDALONE), where page rounding is negligible.
+PACK_LIMIT = 1 << 20
+SEGMENT_SIZE = 64 << 20
+_STANDALONE = 0xFFFFFFFF
+_SLOT = struct.Struct("<IIII")
+_EMPTY_SLOT = bytes(_SLOT.size)
+_PAGE = mmap.ALLOCATIONGRANULARITY
 
 # Shared counters in the stats file: name -> byte offset (u64 each).
-_STAT_FIELDS = ("bytes", "entries", "hits", "misses", "skipped", "flags", "corrupt", "budget")
+_STAT_FIELDS = ("bytes", "entries", "hits", "misses", "skipped", "flags", "corrupt", "segments")
 _STAT_OFFSET = {name: 8 + 8 * i for i, name in enumerate(_STAT_FIELDS)}
 _STATS_MAGIC = 0x4D43535431  # "MCST1"
 _STATS_SIZE = 4096
@@ -266,6 +279,72 @@ class _Directory:
         self._join(keep)
         self.stats = _Stats(os.path.join(self.path, "stats"))
         self.locks_path = os.path.join(self.path, "locks")
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.index_fd = os.open(os.path.join(self.path, "index"), flags, 0o600)
+        self.segment_fds: dict[int, int] = {}  # read-only descriptors, one per segment (not per entry)
+        self.append_lock = threading.Lock()
+        self.writer: tuple[int, int, int] | None = None  # (pid, segment number, fd) being appended to
+        self.write_pos = 0
+
+    # -- the index --
+    def read_slot(self, i: int) -> tuple[int, int, int] | object | None:
+        """``(segment, offset, length)`` of entry ``i``, ``None`` if empty, ``_CORRUPT`` if damaged."""
+        raw = os.pread(self.index_fd, _SLOT.size, _SLOT.size * i)
+        if len(raw) < _SLOT.size or raw == _EMPTY_SLOT:
+            return None
+        seg, off64, length, check = _SLOT.unpack(raw)
+        if check != zlib.crc32(raw[:12] + i.to_bytes(8, "little")):
+            return _CORRUPT
+        return seg, off64 * 64, length
+
+    def write_slot(self, i: int, seg: int, offset: int, length: int) -> None:
+        head = struct.pack("<III", seg, offset // 64, length)
+        os.pwrite(self.index_fd, head + struct.pack("<I", zlib.crc32(head + i.to_bytes(8, "little"))), _SLOT.size * i)
+
+    def clear_slot(self, i: int) -> None:
+        os.pwrite(self.index_fd, _EMPTY_SLOT, _SLOT.size * i)
+
+    # -- segments --
+    def segment_fd(self, seg: int) -> int:
+        fd = self.segment_fds.get(seg)
+        if fd is None:
+            fd = os.open(f"{self.path}/s.{seg}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            with self.append_lock:
+                if seg in self.segment_fds:  # another thread opened it meanwhile
+                    os.close(fd)
+                    fd = self.segment_fds[seg]
+                else:
+                    self.segment_fds[seg] = fd
+        return fd
+
+    def append_region(self, size: int) -> tuple[int, int, int]:
+        """Reserve ``size`` bytes in this process's segment: ``(segment, fd, offset)``."""
+        with self.append_lock:
+            w = self.writer
+            if w is None or w[0] != os.getpid() or self.write_pos + size > SEGMENT_SIZE:
+                if w is not None and w[0] == os.getpid():
+                    os.close(w[2])
+                seg = self.stats.add(segments=1)["segments"]
+                fd = os.open(
+                    f"{self.path}/s.{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+                )
+                w = self.writer = (os.getpid(), seg, fd)
+                self.write_pos = 0
+            offset = self.write_pos
+            self.write_pos += (size + 63) // 64 * 64
+            return w[1], w[2], offset
+
+    def close_files(self) -> None:
+        for fd in [self.index_fd, *self.segment_fds.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self.writer is not None and self.writer[0] == os.getpid():
+            os.close(self.writer[2])
+        self.index_fd = -1
+        self.segment_fds = {}
+        self.writer = None
 
     def _join(self, keep: bool) -> None:
         with _RootLock(self.root):
@@ -306,12 +385,15 @@ class _Directory:
             os.close(self.lease_fd)
             self.lease_fd = -1
             if os.path.exists(os.path.join(self.path, "keep")):
+                self.close_files()
                 return False
             fd = _try_exclusive(os.path.join(self.path, "lease"))
             if fd is None:
+                self.close_files()
                 return False
             try:
                 self.stats.close()
+                self.close_files()
                 _remove_dir(self.path)
                 return True
             finally:
@@ -324,6 +406,8 @@ class _Directory:
             os.close(self.lease_fd)
             self.lease_fd = -1
         self.stats.reinit_after_fork()
+        self.append_lock = threading.Lock()  # a lock held by another thread at fork time stays held
+        self.writer = None  # never append to the parent's segment: start our own on the first write
 
 
 def _unlink_quiet(path: str) -> None:
@@ -401,6 +485,9 @@ class SharedMemoryStore:
         reserve: bytes of ``shm_dir`` left free for others (DataLoader workers pass batches through
             ``/dev/shm``); by default the smaller of 512 MiB and a quarter of its size.
         describe: how warnings name an entry, e.g. ``lambda i: f"item {i}"``.
+        verify: check every read against the data checksum too. Off by default: entries are published only
+            once complete, so a crash cannot damage them, and the header and layout are always validated;
+            a full check costs about 1 ms per MB read.
     """
 
     __slots__ = (
@@ -418,6 +505,7 @@ class SharedMemoryStore:
         "_reserve",
         "_shm_dir",
         "_tmp_counter",
+        "_verify",
         "key",
     )
 
@@ -432,6 +520,7 @@ class SharedMemoryStore:
         allow_pickle: bool = False,
         reserve: int | str | None = None,
         describe: Callable[[int], str] | None = None,
+        verify: bool = False,
     ) -> None:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"invalid cache key {key!r}")
@@ -445,6 +534,7 @@ class SharedMemoryStore:
         self._keep = bool(keep_warm)
         self._allow_pickle = bool(allow_pickle)
         self._describe = describe
+        self._verify = bool(verify)
         root = cache_root(self._shm_dir)
         self._dir = _acquire_directory(root, key, self._keep)
         self._pid = os.getpid()
@@ -457,7 +547,8 @@ class SharedMemoryStore:
     def __reduce__(self) -> tuple:
         return (
             _attach,
-            (self.key, self._length, self._shm_dir, self._budget, self._allow_pickle, self._reserve, self._describe),
+            (self.key, self._length, self._shm_dir, self._budget, self._allow_pickle, self._reserve, self._describe,
+             self._verify),
         )
 
     # -- sequence protocol (what MONAI's CacheDataset expects of ``_cache``) --
@@ -474,7 +565,7 @@ class SharedMemoryStore:
             return
         i = self._check_index(index)
         with OFDLock(self._dir.locks_path, i):
-            if not os.path.exists(self._entry_path(i)):
+            if self._dir.read_slot(i) is None:
                 self._write(i, item)
 
     def __iter__(self) -> Iterator[Any]:
@@ -508,50 +599,69 @@ class SharedMemoryStore:
 
     # -- reads --
     def contains(self, index: int) -> bool:
-        """Whether entry ``index`` is published (cheap: no decoding)."""
-        return os.path.exists(self._entry_path(self._check_index(index)))
+        """Whether entry ``index`` is published (cheap: one read of its index slot, no decoding)."""
+        slot = self._dir.read_slot(self._check_index(index))
+        return slot is not None and slot is not _CORRUPT
+
+    def _map(self, i: int, slot: tuple[int, int, int]) -> memoryview | None:
+        """Map entry ``i`` copy-on-write (zero-copy; writes land in private pages); None if its file is gone."""
+        seg, offset, length = slot
+        if seg == _STANDALONE:
+            try:
+                fd = os.open(self._entry_path(i), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size != length or size == 0:
+                    return memoryview(b"")  # not what the slot says: rejected by the decoder
+                return memoryview(mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE))
+            finally:
+                os.close(fd)
+        try:
+            fd = self._dir.segment_fd(seg)
+        except FileNotFoundError:
+            return None
+        start = offset - offset % _PAGE
+        try:
+            mm = mmap.mmap(fd, offset - start + length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=start)
+        except (ValueError, OSError):  # the slot points past the end of the segment
+            return memoryview(b"")
+        return memoryview(mm)[offset - start :]
 
     def _read(self, i: int, count: bool = True) -> Any:
-        path = self._entry_path(i)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        slot = self._dir.read_slot(i)
+        if slot is None:
+            return _MISSING
+        if slot is _CORRUPT:
+            self._discard_corrupt(i, slot, "damaged index slot")
+            return _MISSING
+        view = self._map(i, slot)  # type: ignore[arg-type]
+        if view is None:
             return _MISSING
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                mm = None
-            else:
-                # Copy-on-write: zero-copy reads; writes by transforms land in private pages only.
-                mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        try:
-            if mm is None:
-                raise codec.CorruptEntryError("empty entry")
-            item = codec.decode(memoryview(mm), allow_pickle=self._allow_pickle)
+            item = codec.decode(view, allow_pickle=self._allow_pickle, verify=self._verify)
         except codec.CorruptEntryError as e:
-            self._discard_corrupt(i, path, str(e))
+            self._discard_corrupt(i, slot, str(e))
             return _MISSING
         if count:
             self._proc_stats["hits"] += 1
-            self._proc_stats["bytes_read"] += size
+            self._proc_stats["bytes_read"] += view.nbytes
             self._dir.stats.add(hits=1)
         return item
 
-    def _discard_corrupt(self, i: int, path: str, why: str) -> None:
-        # Whoever moves the bad entry aside reports it; concurrent readers of the same entry stay quiet.
-        aside = f"{self._dir.path}/{_TMP_PREFIX}bad.{os.getpid()}.{next(self._tmp_counter)}"
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return
-        try:
-            size = os.stat(aside).st_size
-            os.unlink(aside)
-        except FileNotFoundError:
-            size = 0
-        self._dir.stats.add(entries=-1, bytes=-size, corrupt=1)
+    def _discard_corrupt(self, i: int, slot: Any, why: str) -> None:
+        # Under the entry's lock, and only if the slot still says the same: concurrent readers of the same
+        # bad entry stay quiet, and an entry republished meanwhile is left alone.
+        with OFDLock(self._dir.locks_path, i):
+            if self._dir.read_slot(i) != slot:
+                return
+            self._dir.clear_slot(i)
+            if slot is not _CORRUPT and slot[0] == _STANDALONE:
+                _unlink_quiet(self._entry_path(i))
+                self._dir.stats.add(bytes=-slot[2])
+        self._dir.stats.add(entries=-1, corrupt=1)
         self._proc_stats["corrupt"] += 1
         if i not in self._reported:
             self._reported.add(i)
@@ -559,45 +669,50 @@ class SharedMemoryStore:
 
     # -- writes --
     def _write(self, i: int, item: Any) -> bool:
-        """Publish entry ``i``; False (with one warning per cache) if it does not fit. Raises on bad items."""
+        """Publish entry ``i`` (caller holds its lock); False, with one warning per cache, if it does not fit.
+
+        Raises:
+            UnsupportedValueError: the item holds a value the codec cannot store.
+        """
         enc = codec.encode(item, allow_pickle=self._allow_pickle)
         size = enc.nbytes
         if not self._reserve_space(size):
             return False
-        tmp = f"{self._dir.path}/{_TMP_PREFIX}{os.getpid()}.{threading.get_ident()}.{next(self._tmp_counter)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except FileNotFoundError:  # the cache was removed under us (its last user left)
+            if size < PACK_LIMIT:
+                seg, fd, offset = self._dir.append_region(size)
+                _fallocate(fd, offset, size)
+                _write_all(fd, enc, offset)
+            else:
+                seg, offset = _STANDALONE, 0
+                self._write_standalone(i, enc)
+            # Publish: the data is complete before the slot that points to it is written.
+            self._dir.write_slot(i, seg, offset, size)
+        except OSError as e:
             self._dir.stats.add(bytes=-size)
+            self._proc_stats["skipped"] += 1
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                self._warn_full(size, str(e))
+            elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
+                warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached")
             return False
-        published = False
+        self._dir.stats.add(entries=1)
+        self._proc_stats["bytes_written"] += size
+        return True
+
+    def _write_standalone(self, i: int, enc: codec.Encoded) -> None:
+        tmp = f"{self._dir.path}/{_TMP_PREFIX}{os.getpid()}.{threading.get_ident()}.{next(self._tmp_counter)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                if size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)  # tmpfs: ENOSPC now rather than SIGBUS later
-                    except OSError as e:
-                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                _write_all(fd, enc)
+                _fallocate(fd, 0, enc.nbytes)
+                _write_all(fd, enc, 0)
             finally:
                 os.close(fd)
             os.rename(tmp, self._entry_path(i))
-            published = True
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                self._warn_full(size, str(e))
-            elif e.errno != errno.ENOENT:
-                warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached")
-        finally:
-            if not published:
-                _unlink_quiet(tmp)
-                self._dir.stats.add(bytes=-size)
-                self._proc_stats["skipped"] += 1
-        if published:
-            self._dir.stats.add(entries=1)
-            self._proc_stats["bytes_written"] += size
-        return published
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
 
     def _space_left(self) -> tuple[int, int]:
         st = os.statvfs(self._dir.path)
@@ -669,13 +784,13 @@ class SharedMemoryStore:
     def fill(self, index: int, compute: Callable[[], Any]) -> bool:
         """Make sure entry ``index`` exists without decoding it; False if another process is on it now."""
         i = self._check_index(index)
-        if os.path.exists(self._entry_path(i)):
+        if self.contains(i):
             return True
         lock = OFDLock(self._dir.locks_path, i)
         if not lock.acquire(blocking=False):
             return False
         try:
-            if not os.path.exists(self._entry_path(i)):
+            if not self.contains(i):
                 self._proc_stats["misses"] += 1
                 self._dir.stats.add(misses=1)
                 self._write(i, compute())
@@ -708,22 +823,39 @@ class SharedMemoryStore:
         _release_directory(self._dir)
 
     def clear(self) -> None:
-        """Remove every entry (other processes using the cache see misses and recompute)."""
-        for name in os.listdir(self._dir.path):
-            if name.endswith(_ENTRY_SUFFIX):
-                _unlink_quiet(os.path.join(self._dir.path, name))
-        self._dir.stats.add(bytes=-(1 << 62), entries=-(1 << 62))
+        """Forget every entry (other processes using the cache then see misses and recompute).
+
+        Packed entries stay in their segments (counted in ``bytes``) until the cache is removed.
+        """
+        for i in range(self._length):
+            with OFDLock(self._dir.locks_path, i):
+                slot = self._dir.read_slot(i)
+                if slot is None:
+                    continue
+                self._dir.clear_slot(i)
+                if slot is not _CORRUPT and slot[0] == _STANDALONE:  # type: ignore[index]
+                    _unlink_quiet(self._entry_path(i))
+                    self._dir.stats.add(bytes=-slot[2])  # type: ignore[index]
+                self._dir.stats.add(entries=-1)
 
 
-def _attach(key, length, shm_dir, budget, allow_pickle, reserve, describe) -> SharedMemoryStore:  # type: ignore[no-untyped-def]
+def _attach(key, length, shm_dir, budget, allow_pickle, reserve, describe, verify) -> SharedMemoryStore:  # type: ignore[no-untyped-def]
     return SharedMemoryStore(
         key, length, shm_dir=shm_dir, budget=budget, allow_pickle=allow_pickle, reserve=reserve,
-        describe=describe,
+        describe=describe, verify=verify,
     )
 
 
-def _write_all(fd: int, enc: codec.Encoded) -> None:
-    pos = 0
+def _fallocate(fd: int, offset: int, size: int) -> None:
+    """Reserve the pages now: a full tmpfs then fails with ENOSPC here rather than SIGBUS later."""
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def _write_all(fd: int, enc: codec.Encoded, pos: int) -> None:
     for chunk in enc.chunks():
         view = memoryview(chunk).cast("B")
         while view.nbytes:
@@ -747,11 +879,8 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
         if fd is not None:
             os.close(fd)
         stats = _read_stats(os.path.join(path, "stats")) or {}
-        nbytes, entries = 0, 0
-        for entry in os.scandir(path):
-            if entry.name.endswith(_ENTRY_SUFFIX):
-                entries += 1
-                nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
+        nbytes = sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(path) if e.is_file())
+        entries = stats.get("entries", 0)
         out.append(
             {
                 "key": name,

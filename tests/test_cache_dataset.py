@@ -203,12 +203,16 @@ def kill_me_soon(worker_id):  # SIGKILL this DataLoader worker at a random momen
     threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 ds = monai_cache.CacheDataset({data!r}, chain(), runtime_cache=True, progress=False, keep_warm=True)
+it = iter(DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon))
 try:
-    for _ in DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon):
+    for _ in it:
         pass
     print("finished before the kill")
 except RuntimeError as e:
     print("killed" if "killed by signal" in str(e) else f"other error: {{e}}")
+it._shutdown_workers()
+sys.stdout.flush()
+os._exit(0)  # the cache is kept warm; skip interpreter teardown racing the DataLoader's threads
 """
 
 

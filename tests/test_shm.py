@@ -109,8 +109,10 @@ def test_independent_processes_share_and_exit_does_not_unlink(shm_dir):
     """)
     p.communicate("\n", timeout=30)
     assert p.returncode == 0
-    assert sorted(n for n in os.listdir(path) if n.endswith(".e")) == ["0.e", "1.e", "2.e", "3.e"]
-    assert float(store[2]["x"][5]) == 2.0
+    files = os.listdir(path)
+    assert "index" in files and any(n.startswith("s.") for n in files)
+    assert [store.contains(i) for i in range(4)] == [True] * 4
+    assert [float(store[i]["x"][5]) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
     store.release()  # last user leaves normally: the cache goes away
     assert not os.path.exists(path)
 
@@ -256,22 +258,59 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
     assert killed_mid_write >= 1
 
 
-def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir):
-    store = SharedMemoryStore("corrupt", 2)
-    store[0] = item(0)
-    entry = os.path.join(store.path, "0.e")
-    with open(entry, "r+b") as f:
-        f.seek(100)
-        f.write(b"\xff" * 8)
+def entry_location(store: SharedMemoryStore, i: int) -> tuple[str, int, int]:
+    """(file, offset, length) of entry i: a packed segment, or a file of its own."""
+    seg, offset, length = store._dir.read_slot(i)
+    if seg == 0xFFFFFFFF:
+        return os.path.join(store.path, f"{i}.e"), 0, length
+    return os.path.join(store.path, f"s.{seg}"), offset, length
+
+
+@pytest.mark.parametrize("size", [1000, 400_000, 2_000_000])  # packed into a segment / a file of its own
+@pytest.mark.parametrize("damage", ["payload", "header", "slot"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir, size, damage, verify):
+    store = SharedMemoryStore("corrupt", 2, verify=verify)
+    value = {"x": torch.arange(size, dtype=torch.float32), "name": "case0"}
+    store[0] = value
+    store[1] = {"x": torch.ones(3), "name": "case1"}
+    path, offset, length = entry_location(store, 0)
+    if damage == "slot":
+        with open(os.path.join(store.path, "index"), "r+b") as f:
+            f.seek(4)
+            f.write(b"\x07")
+    else:
+        with open(path, "r+b") as f:
+            f.seek(offset + (50 if damage == "header" else length - 8))
+            f.write(b"\xff" * 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert store[0] is None
-        assert store[0] is None
+        first, second = store[0], store[0]
+    if damage == "payload" and not verify:
+        # by default tensor bytes are not checksummed on every read (a crash cannot damage them: entries
+        # are published only once complete); verify=True checks them
+        assert first is not None and not torch.equal(first["x"], value["x"])
+        store.release()
+        return
+    assert first is None and second is None
     assert len([w for w in caught if "corrupt" in str(w.message)]) == 1
-    assert not os.path.exists(entry)
-    got = store.get_or_compute(0, lambda: item(0))
-    assert got["name"] == "case0" and os.path.exists(entry)
+    assert not store.contains(0) and store.contains(1)
+    got = store.get_or_compute(0, lambda: value)
+    assert got["name"] == "case0" and torch.equal(got["x"], value["x"]) and store.contains(0)
     assert store.stats()["machine"]["corrupt"] == 1
+    assert store[1]["name"] == "case1"
+    store.release()
+
+
+def test_small_entries_are_packed_without_per_entry_files(shm_dir):
+    store = SharedMemoryStore("packed", 2000)
+    for i in range(2000):
+        store[i] = {"x": torch.full((4096,), float(i))}  # 16 KiB
+    files = os.listdir(store.path)
+    assert len(files) < 20  # no file per entry
+    held = sum(os.stat(os.path.join(store.path, f)).st_blocks * 512 for f in files)
+    assert held < 2000 * 16384 * 1.10  # at most 10% over the raw data, headers and index included
+    assert float(store[1234]["x"][7]) == 1234.0
     store.release()
 
 
