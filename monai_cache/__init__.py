@@ -22,7 +22,14 @@ _EXPORTS = {
     "UnsupportedValueError": "monai_cache.codec",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "CacheDataset",
+    "CorruptEntryError",
+    "SharedMemoryStore",
+    "ShardedDistributedSampler",
+    "UnsupportedValueError",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from monai_cache.codec import CorruptEntryError, UnsupportedValueError

@@ -118,7 +118,11 @@ def _path_key(path: str, key: Any) -> str:
     return f"{path}[{key!r}]" if not isinstance(key, enum.Enum) else f"{path}[{key.value!r}]"
 
 
-_ATTR_NAMES = {"_meta": "meta", "_applied_operations": "applied_operations", "_pending_operations": "pending_operations"}
+_ATTR_NAMES = {
+    "_meta": "meta",
+    "_applied_operations": "applied_operations",
+    "_pending_operations": "pending_operations",
+}
 
 
 @dataclass
@@ -182,7 +186,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
@@ -240,7 +244,7 @@ class _Encoder:
         meta_module = sys.modules.get("monai.data.meta_tensor")
         is_meta = meta_module is not None and isinstance(t, meta_module.MetaTensor)
         node: dict[str, Any] = {"~": "M" if is_meta else "T"}
-        data = t.as_tensor() if is_meta else t
+        data = t.as_tensor() if is_meta else t  # type: ignore[attr-defined]
         data = data.detach()
         if data.dtype not in _TORCH_DTYPE_NAMES:
             raise UnsupportedValueError(f"cannot cache {path}: torch dtype {data.dtype} is not supported")
@@ -250,7 +254,8 @@ class _Encoder:
         node["dt"] = _TORCH_DTYPE_NAMES[data.dtype]
         node["sh"] = list(data.shape)
         if not data.is_contiguous() and data.dim() > 1 and _is_dense_permutation(data):
-            perm = sorted(range(data.dim()), key=lambda d: (-data.stride(d), -data.shape[d]))
+            strides, sizes = data.stride(), data.shape
+            perm = sorted(range(data.dim()), key=lambda d: (-strides[d], -sizes[d]))
             data = data.permute(perm)
             if data.is_contiguous():
                 node["pm"] = perm
@@ -296,7 +301,7 @@ class _Encoder:
                 node["sd"] = sd.str
                 data = data.astype(sd, order="K")
         self.keepalive.append(data)
-        self._add_buffer(node, memoryview(data.reshape(-1, order="A")).cast("B"))
+        self._add_buffer(node, memoryview(data.reshape(-1, order="A")).cast("B"))  # type: ignore[arg-type]
         return node
 
     def _fallback(self, value: Any, path: str, why: str) -> dict:
@@ -469,7 +474,7 @@ class _Decoder:
         buf = self._bytes(node)
         numel = math.prod(stored_shape)
         if numel * stored.itemsize != buf.nbytes:
-            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} bytes, buffer has {buf.nbytes}")
+            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} B, not {buf.nbytes}")
         if numel == 0:
             t = torch.empty(stored_shape, dtype=stored)
         else:
@@ -501,9 +506,8 @@ class _Decoder:
         buf = self._bytes(node)
         numel = math.prod(shape)
         if numel * stored.itemsize != buf.nbytes:
-            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} bytes, buffer has {buf.nbytes}")
-        order = "F" if node.get("F") else "C"
-        a = np.frombuffer(buf, dtype=stored, count=numel).reshape(shape, order=order)
+            raise CorruptEntryError(f"shape {shape} of {stored} needs {numel * stored.itemsize} B, not {buf.nbytes}")
+        a = np.frombuffer(buf, dtype=stored, count=numel).reshape(tuple(shape), order="F" if node.get("F") else "C")
         if stored != dtype:
             a = a.astype(dtype, order="K")
         return a

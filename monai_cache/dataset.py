@@ -19,7 +19,7 @@ from monai.data.meta_obj import get_track_meta
 from monai.data.utils import pickle_hashing
 
 from monai_cache import __version__, codec
-from monai_cache.fingerprint import cacheable_transforms, first_random_index, fingerprint, transforms_fingerprint
+from monai_cache.fingerprint import cacheable_transforms, fingerprint, first_random_index, transforms_fingerprint
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -218,7 +218,7 @@ class CacheDataset(_MonaiCacheDataset):
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
         )
-        self._cache = store
+        self._cache = store  # type: ignore[assignment]  # list-like, as MONAI's runtime_cache containers
         # Release the entries when this dataset goes away (the last process using them removes them).
         weakref.finalize(self, store.release)
         if self.runtime_cache in (False, None):

@@ -8,7 +8,6 @@ import warnings
 from collections import Counter
 
 import monai.data
-import numpy as np
 import pytest
 import torch
 from helpers import RandZeroInPlace, Times10, chain, read_calls
@@ -113,7 +112,8 @@ def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context)
             batches += [b["image"].as_tensor().clone() for b in loader]
         return batches, Counter(case for _, case in read_calls(log))
 
-    ref_batches, ref_calls = run(monai.data.CacheDataset(volumes, chain(log_ref), runtime_cache=True, progress=False), log_ref)
+    ref = monai.data.CacheDataset(volumes, chain(log_ref), runtime_cache=True, progress=False)
+    ref_batches, ref_calls = run(ref, log_ref)
     ours = monai_cache.CacheDataset(volumes, chain(log_ours), runtime_cache=True, progress=False)
     our_batches, our_calls = run(ours, log_ours)
     assert sum(ref_calls.values()) > n  # MONAI recomputes in every worker of every epoch

@@ -47,7 +47,7 @@ def test_two_gloo_ranks_compute_each_item_once_on_the_machine(shm_dir, volumes, 
     # the deterministic transforms ran once per item on the machine, whatever rank or worker needed it
     assert Counter(case for _, case in calls) == Counter(range(len(volumes)))
     assert len({pid for pid, _ in calls}) >= 2  # and the work was split among processes
-    seen = sorted(sum((r["seen"] for r in results), []))
+    seen = sorted(case for r in results for case in r["seen"])
     assert seen == sorted(list(range(len(volumes))) * 2)  # 2 epochs, every item once per epoch
     assert results[0]["path"] == results[1]["path"]
     assert results[0]["machine"]["misses"] == len(volumes)

@@ -76,7 +76,7 @@ def test_real_monai_chain_item_roundtrips_exactly(volumes):
     # keys stay MONAI's enums, and the metadata behaves as MetaTensor metadata
     assert isinstance(next(k for k in out["image"].meta if k == "affine"), MetaKeys)
     assert out["image"].meta[MetaKeys.SPACE] is SpaceKeys.RAS
-    assert isinstance(list(out["image"].applied_operations[0])[0], TraceKeys)
+    assert isinstance(next(iter(out["image"].applied_operations[0])), TraceKeys)
     assert torch.equal(out["image"].affine, item["image"].affine)
     assert torch.equal(out["image"].pixdim, item["image"].pixdim)
 
@@ -163,7 +163,8 @@ def test_nested_python_values_roundtrip(value):
 )
 def test_tensors_roundtrip_with_lossless_downcast_bit_for_bit(dtype, shape, seed):
     g = torch.Generator().manual_seed(seed)
-    t = (torch.randint(-300, 300, shape, generator=g)).to(dtype) if dtype != torch.uint8 else torch.randint(0, 255, shape, generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -300
+    t = torch.randint(low, 255, shape, generator=g).to(dtype)
     if dtype.is_floating_point and seed % 2:
         t = t / 7  # non-integral floats must not be squeezed into integers
     if dtype.is_floating_point and seed % 3 == 0 and t.numel():

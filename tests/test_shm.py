@@ -86,12 +86,12 @@ def test_reads_are_zero_copy_and_copy_on_write(shm_dir):
 
 
 def test_independent_processes_share_and_exit_does_not_unlink(shm_dir):
-    writer = f"""
+    writer = """
         import torch
         from monai_cache.shm import SharedMemoryStore
         s = SharedMemoryStore("shared", 4)
         for i in range(4):
-            s[i] = {{"x": torch.full((1000,), float(i))}}
+            s[i] = {"x": torch.full((1000,), float(i))}
         print(s.path, flush=True)
         input()  # stay alive until told
     """
@@ -238,7 +238,7 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
             s[i] = {"x": torch.full((1_000_000,), float(i)), "i": i}
     """
     killed_mid_write = 0
-    for trial in range(5):
+    for _ in range(5):
         p = spawn(writer)
         assert p.stdout.readline().strip() == "ready"
         time.sleep(float(rng.uniform(0.05, 0.3)))
