@@ -663,7 +663,7 @@ class DiskStore:
         path = self.path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory at all)
             self._count(misses=1)
             return MISSING
         except OSError as e:

@@ -1,0 +1,357 @@
+"""Drop-in ``PersistentDataset``: compact, checksummed cache files written by a background thread.
+
+Thin glue over :mod:`monai_cache.disk` (files, writer thread) and :mod:`monai_cache.codec` (encoding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+from monai.data import PersistentDataset as _MonaiPersistentDataset
+from monai.data.meta_obj import get_track_meta
+from monai.data.utils import SUPPORTED_PICKLE_MOD, pickle_hashing
+from monai.utils import convert_to_tensor, look_up_option
+from torch.serialization import DEFAULT_PROTOCOL
+
+from monai_cache import codec
+from monai_cache.disk import (
+    DISK_FORMAT_VERSION,
+    MISSING,
+    DiskStore,
+    empty_stats,
+    prepare_cache_dir,
+    sweep_temp_files,
+)
+from monai_cache.fingerprint import cacheable_transforms, fingerprint, transforms_fingerprint
+
+__all__ = ["DEFAULT_COMPRESSION_LEVEL", "PersistentDataset"]
+
+DEFAULT_COMPRESSION_LEVEL = 3
+"""zstd level used by default (chosen with ``benchmarks/bench_persistent.py``; see ``docs/persistent.md``)."""
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+
+
+def _as_dtype(value: Any, key: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dt = getattr(torch, str(value).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"lossy_dtypes[{key!r}] must be a torch dtype such as torch.float16, got {value!r}")
+    return dt
+
+
+class PersistentDataset(_MonaiPersistentDataset):
+    """MONAI's ``PersistentDataset`` with compact, checksummed cache files written in the background.
+
+    Every argument of :class:`monai.data.PersistentDataset` keeps its meaning, and the hooks
+    ``_pre_transform``, ``_post_transform``, ``_cachecheck`` and ``_transform`` can be overridden as in
+    MONAI. What changes is how cached items are stored:
+
+    * **Asynchronous writes.** On a cache miss ``__getitem__`` returns as soon as the item is computed; a
+      background thread (one per process, DataLoader workers included) encodes and writes it. The queue is
+      bounded (``max_pending_writes`` items, ``max_pending_bytes`` bytes): when it is full ``__getitem__``
+      waits. Pending writes are flushed when the process exits normally, DataLoader workers included.
+      ``async_writes=False`` writes inside ``__getitem__``, as MONAI does.
+    * **Compact files.** Items are stored with :mod:`monai_cache.codec` (tensors as raw bytes, metadata as
+      JSON), in the smallest dtype that holds each tensor exactly (``downcast=True``, lossless), and
+      compressed with zstd (``compression_level``). Optionally, ``lossy_dtypes`` stores chosen keys in a
+      smaller dtype *with* loss of precision.
+    * **Safe loading.** Loading never unpickles anything (unless ``allow_pickle=True``). Each file carries a
+      format version and CRC-32 checksums; a truncated, damaged or foreign file is reported once, removed
+      and recomputed. Files are written to a temporary name in the cache directory and renamed, so a killed
+      process never leaves a partial file, and two processes writing one item leave one valid file. Files
+      are created with mode 0600 and a cache directory we create with mode 0700.
+    * **No stale entries.** With the default ``hash_transform=None`` the file names include a fingerprint of
+      the cached (deterministic) transforms and of the options that change what is stored (``track_meta``,
+      ``reset_ops_id``, ``lossy_dtypes``, ``allow_pickle``), so changing, say, ``Spacingd``'s ``pixdim``
+      never serves old entries. An explicit ``hash_transform`` keeps MONAI's meaning: its hash is appended
+      to the names and the transform fingerprint is left out.
+    * **MONAI's own cache files** (``<hash>.pt``) in ``cache_dir`` are ignored: never opened, never
+      unpickled, never deleted (except by :meth:`set_data`, which clears the directory as in MONAI). Our
+      files are named ``<hash><transform hash>-<variant>.mcache``, so the cache fills again alongside them.
+    * **Errors.** A cache directory that cannot be created or written, or a full disk, gives one warning and
+      training continues uncached (files already there are still read). A ``cache_dir`` that exists but is a
+      file raises a ``ValueError`` saying what to do.
+    * **Counters.** :meth:`cache_stats` returns hits, misses, pending writes, bytes written and the
+      compression ratio, for this process and summed over the DataLoader workers forked from it.
+
+    Fix of MONAI's behaviour (``track_meta``): MONAI returns the freshly computed item on a miss (a
+    ``MetaTensor`` with metadata, since MONAI tracks metadata globally by default) but the stored copy on a
+    hit (a plain ``Tensor`` with the default ``track_meta=False``), so the same item changes type and loses
+    its metadata from the second epoch on. Here both paths return what MONAI documents for ``track_meta``:
+    the output of the cached transforms is passed through
+    ``convert_to_tensor(item, convert_numeric=False, track_meta=track_meta)`` before the random transforms,
+    on a miss as on a hit (and with ``cache_dir=None``): plain tensors when ``track_meta=False``,
+    ``MetaTensor`` objects with their metadata when ``track_meta=True``. Outputs therefore equal MONAI's
+    cache-hit outputs. (Random transforms after the cached ones may still wrap their outputs in
+    ``MetaTensor`` when ``monai.data.get_track_meta()`` is True, exactly as they do in MONAI.) Also, MONAI
+    1.6.1 cannot reload its own ``track_meta=True`` files with ``weights_only=True`` (the metadata holds
+    numpy arrays), so it recomputes them on every access with a "corrupt cache file" warning; these files
+    load.
+
+    Args:
+        data: input data file paths to load and transform to generate dataset for model.
+            `PersistentDataset` expects input data to be a list of serializable
+            and hashes them as cache keys using `hash_func`.
+        transform: transforms to execute operations on input data.
+        cache_dir: If specified, this is the location for persistent storage
+            of pre-computed transformed data tensors. The cache_dir is computed once, and
+            persists on disk until explicitly removed.  Different runs, programs, experiments
+            may share a common cache dir provided that the transforms pre-processing is consistent.
+            If `cache_dir` doesn't exist, will automatically create it (with mode 0700).
+            If `cache_dir` is `None`, there is effectively no caching.
+        hash_func: a callable to compute hash from data items to be cached, defaults to
+            `monai.data.utils.pickle_hashing` which uses sha256.
+        pickle_module: accepted for compatibility and checked against ``monai.data.utils.SUPPORTED_PICKLE_MOD``.
+            MONAI passes it to ``torch.save``; these files are not pickles, so it is not used.
+        pickle_protocol: accepted for compatibility; not used (the files are not pickles).
+        hash_transform: a callable to compute hash from the transform information when caching, appended to
+            the file names as in MONAI (e.g. `pickle_hashing` or `json_hashing` from `monai.data.utils`).
+            Default None: a fingerprint of the cached transforms is used instead, so a changed transform
+            never serves old entries.
+        reset_ops_id: whether to set `TraceKeys.ID` to ``Tracekys.NONE``, defaults to ``True``.
+            When this is enabled, the traced transform instance IDs will be removed from the cached MetaTensors.
+            This is useful for skipping the transform instance checks when inverting applied operations
+            using the cached content and with re-created transform instances.
+        track_meta: whether to track the meta information, defaults to False. If `True`, converts to `MetaTensor`.
+            Applied on cache misses and hits alike (see above).
+        weights_only: accepted for compatibility. MONAI passes it to `torch.load`; these files are never
+            unpickled (see ``allow_pickle``), so loading is always restricted to tensors, arrays and plain values.
+        async_writes: write cache files in a background thread (default) instead of inside ``__getitem__``.
+        compression: ``"zstd"`` (default) or ``None`` to store the encoded items uncompressed.
+        compression_level: zstd level, default :data:`DEFAULT_COMPRESSION_LEVEL`. Higher levels write
+            smaller files more slowly; reading speed hardly changes.
+        compression_threads: zstd threads per write; 0 (default) compresses in the writer thread itself,
+            -1 uses one thread per CPU.
+        downcast: store each tensor in the smallest dtype that holds all of its values exactly (e.g. a float32
+            label map as uint8); loading restores the original dtype bit for bit. Lossless; default True.
+        lossy_dtypes: ``{key: dtype}``: store the tensor under each top-level key of the item in ``dtype``
+            even though this **loses precision** (e.g. ``{"image": torch.float16}``). To keep misses and hits
+            identical, a miss returns the value rounded the same way. Default None (lossless).
+        allow_pickle: store (and load) values that the codec cannot store natively with pickle. Default False:
+            such items are not cached (one warning names the key and type) and loading never unpickles. Only
+            enable it for cache directories nobody else can write.
+        fsync: ``fsync`` each file and the directory on write, so that entries survive a power loss (slower).
+            Without it a file damaged by a crash of the machine fails its checksum and is recomputed.
+        max_pending_writes: most items queued for the background writer in each process.
+        max_pending_bytes: most bytes of items queued for the background writer in each process (an int or a
+            string such as ``"512MiB"``).
+    """
+
+    def __init__(
+        self,
+        data: Sequence,
+        transform: Sequence[Callable] | Callable,
+        cache_dir: Path | str | None,
+        hash_func: Callable[..., bytes] = pickle_hashing,
+        pickle_module: str = "pickle",
+        pickle_protocol: int = DEFAULT_PROTOCOL,
+        hash_transform: Callable[..., bytes] | None = None,
+        reset_ops_id: bool = True,
+        track_meta: bool = False,
+        weights_only: bool = True,
+        *,
+        async_writes: bool = True,
+        compression: str | None = "zstd",
+        compression_level: int = DEFAULT_COMPRESSION_LEVEL,
+        compression_threads: int = 0,
+        downcast: bool = True,
+        lossy_dtypes: Mapping[str, torch.dtype | str] | None = None,
+        allow_pickle: bool = False,
+        fsync: bool = False,
+        max_pending_writes: int = 8,
+        max_pending_bytes: int | str = "512MiB",
+    ) -> None:
+        look_up_option(pickle_module, SUPPORTED_PICKLE_MOD)  # MONAI would fail on the first write
+        # Set before MONAI's __init__ (which may call set_transform_hash). None is randomizable, so MONAI's
+        # worker seeding (set_rnd walks __dict__) seeds the transforms as it does for MONAI's class.
+        self.async_writes = async_writes
+        self.compression = compression
+        self.compression_level = compression_level
+        self.compression_threads = compression_threads
+        self.downcast = downcast
+        self.lossy_dtypes = {str(k): _as_dtype(v, str(k)) for k, v in (lossy_dtypes or {}).items()}
+        self.allow_pickle = allow_pickle
+        self.fsync = fsync
+        self.max_pending_writes = max_pending_writes
+        self.max_pending_bytes = max_pending_bytes
+        self._store: DiskStore | None = None
+        self._variant_state: dict[str, Any] = {}
+        super().__init__(
+            data=data,
+            transform=transform,
+            cache_dir=None,  # created below: mode 0700, and no crash when it cannot be
+            hash_func=hash_func,
+            pickle_module=pickle_module,
+            pickle_protocol=pickle_protocol,
+            hash_transform=hash_transform,
+            reset_ops_id=reset_ops_id,
+            track_meta=track_meta,
+            weights_only=weights_only,
+        )
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._variant_key()  # fingerprint the transforms now, before they run
+        if self.cache_dir is not None:
+            self._open_store()
+
+    # -- the store --
+    def _open_store(self) -> DiskStore | None:
+        if self.cache_dir is None:
+            self._store = None
+            return None
+        problem = prepare_cache_dir(self.cache_dir)  # raises ValueError if it is a file
+        store = DiskStore(
+            self.cache_dir,
+            compression=self.compression,
+            compression_level=self.compression_level,
+            compression_threads=self.compression_threads,
+            downcast=self.downcast,
+            lossy=self.lossy_dtypes,
+            allow_pickle=self.allow_pickle,
+            async_writes=self.async_writes,
+            fsync=self.fsync,
+            max_pending_writes=self.max_pending_writes,
+            max_pending_bytes=self.max_pending_bytes,
+        )
+        if problem is not None:
+            store.disable_writes(f"{problem}. Training continues uncached; pass a writable cache_dir to cache.")
+        else:
+            sweep_temp_files(str(self.cache_dir))
+        self._store = store
+        return store
+
+    def _get_store(self) -> DiskStore | None:
+        store = self._store
+        if self.cache_dir is None:
+            return None
+        if store is None or store.directory != str(self.cache_dir):  # cache_dir reassigned by the user
+            store = self._open_store()
+        return store
+
+    def _variant_key(self) -> str:
+        """Names what the files hold beyond the data item: the cached transforms (unless an explicit
+        ``hash_transform`` is in use) and the options that change the stored content.
+
+        The transform fingerprint is taken once (at construction, before the transforms have run: some keep
+        state such as the last file name read) and kept for as long as ``self.transform`` is the same object,
+        in this process, in forked workers and in pickled copies (spawned workers) alike.
+        """
+        explicit = bool(self.transform_hash)
+        sig = (
+            explicit,
+            bool(self.track_meta),
+            bool(self.reset_ops_id),
+            bool(self.allow_pickle),
+            tuple(sorted((k, str(v)) for k, v in self.lossy_dtypes.items())),
+            bool(get_track_meta()),
+        )
+        state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
+        if state.get("transform") is not self.transform or state.get("sig") != sig:
+            if state.get("transform") is not self.transform or "xform" not in state:
+                state["xform"] = transforms_fingerprint(cacheable_transforms(self.transform))
+            xform = None if explicit else state["xform"]
+            state["key"] = fingerprint(
+                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, xform, *sig
+            )[:16]
+            state["transform"] = self.transform
+            state["sig"] = sig
+        return str(state["key"])
+
+    def _entry_key(self, item: Any) -> str:
+        """The file name (without ``.mcache``) of ``item``'s entry: MONAI's name plus the variant."""
+        data_item_hash = self.hash_func(item).decode("utf-8") + self.transform_hash
+        key = f"{data_item_hash}-{self._variant_key()}"
+        if not _SAFE_NAME.fullmatch(key) or key.startswith("."):  # custom hash functions: keep names safe
+            key = hashlib.sha256(key.encode()).hexdigest()
+        return key
+
+    def _as_cached(self, item: Any) -> Any:
+        """What both cache paths return: MONAI's stored form, rounded like the stored copy for lossy keys."""
+        item = convert_to_tensor(item, convert_numeric=False, track_meta=self.track_meta)
+        if self.lossy_dtypes and isinstance(item, dict):
+            for key, dtype in self.lossy_dtypes.items():
+                value = item.get(key)
+                if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                    item[key] = value.to(dtype).to(value.dtype)
+        return item
+
+    # -- MONAI's hooks --
+    def _cachecheck(self, item_transformed: Any) -> Any:
+        """Return the output of the cached (deterministic) transforms for ``item_transformed``.
+
+        Read from the cache directory when a valid entry exists; otherwise computed with
+        :meth:`_pre_transform`, handed to the background writer (or written now with ``async_writes=False``)
+        and returned. Both paths return the same types and values (see the class docstring).
+
+        Args:
+            item_transformed: the data item (e.g. a dict of file names), hashed with ``hash_func``.
+
+        Returns:
+            The transformed data item, either from cache, or explicitly computing it.
+        """
+        store = self._get_store()
+        key = None
+        if store is not None:
+            key = self._entry_key(item_transformed)
+            cached = store.get(key)
+            if cached is not MISSING:
+                return cached
+        item = self._as_cached(self._pre_transform(deepcopy(item_transformed)))  # keep the original hashed
+        if store is not None and key is not None:
+            store.put(key, item)
+        return item
+
+    def set_data(self, data: Sequence) -> None:
+        """Set the input data and delete all the out-dated cache content (the whole ``cache_dir``, as in MONAI).
+
+        Writes still queued in this process are dropped first. As in MONAI, DataLoader workers must be
+        re-created afterwards (``persistent_workers=False``).
+        """
+        self.data = data
+        if self._store is not None:
+            self._store.discard_pending()
+        if self.cache_dir is not None and self.cache_dir.exists():
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            self._open_store()
+
+    # -- extras --
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        """Cache counters: ``{"process": {...}, "total": {...}}``.
+
+        ``process`` counts this process only (in a DataLoader worker: that worker); ``total`` sums this
+        process and the DataLoader workers forked from it (spawned workers keep their own). Keys:
+        ``hits``, ``misses``, ``corrupt`` (bad files removed), ``unsupported`` (items not cacheable without
+        pickle), ``writes`` (files written), ``write_errors``, ``skipped`` (writes found done already or not
+        possible), ``writes_pending``, ``bytes_read``, ``bytes_written`` (file bytes), ``bytes_raw`` (tensor
+        bytes of the written items in memory), ``bytes_encoded`` (after downcasting, before compression) and
+        ``compression_ratio`` (``bytes_raw / bytes_written``). All zero when ``cache_dir`` is None.
+        """
+        store = self._get_store()
+        return empty_stats() if store is None else store.stats()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this process's pending cache writes are on disk.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as needed.
+
+        Returns:
+            False if the timeout passed with writes still pending.
+        """
+        store = self._store
+        return True if store is None else store.flush(timeout)
+
+    def entry_path(self, index: int) -> Path | None:
+        """The cache file that holds (or would hold) data item ``index``; None without a ``cache_dir``."""
+        store = self._get_store()
+        if store is None:
+            return None
+        return Path(store.path(self._entry_key(self.data[index])))
