@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
+    "PersistentDataset": "monai_cache.persistent",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "CorruptEntryError": "monai_cache.codec",
@@ -25,6 +26,7 @@ _EXPORTS = {
 __all__ = [
     "CacheDataset",
     "CorruptEntryError",
+    "PersistentDataset",
     "SharedMemoryStore",
     "ShardedDistributedSampler",
     "UnsupportedValueError",
@@ -34,6 +36,7 @@ __all__ = [
 if TYPE_CHECKING:
     from monai_cache.codec import CorruptEntryError, UnsupportedValueError
     from monai_cache.dataset import CacheDataset
+    from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
 
