@@ -146,9 +146,14 @@ class ComputeLog(Transform):
     """Counts runs of the deterministic transforms and their CPU time, in a log shared by all processes.
 
     Put one with ``start=True`` before the first deterministic transform and one with ``start=False`` after
-    the last one. The second appends ``"<phase> <pid> <thread CPU seconds>"`` to ``path`` (one ``O_APPEND``
-    write, atomic between processes). Both are deterministic MONAI transforms, so caches store their output
-    like that of the others, and they are picklable and fingerprint the same way in every process.
+    the last one. The second appends ``"<phase> <pid> <CPU seconds>"`` to ``path`` (one ``O_APPEND`` write,
+    atomic between processes). Both are deterministic MONAI transforms, so caches store their output like
+    that of the others, and they are picklable and fingerprint the same way in every process.
+
+    The CPU time is that of the whole process while the transforms ran, so that torch's intra-op threads
+    (``Spacingd`` resamples with them when a process has more than one) are included. It is exact when one
+    thread per process runs transforms (DataLoader workers; ``CacheDataset(num_workers=1)``, the default
+    here) and counts overlapping runs more than once with more fill threads.
 
     Args:
         path: the log file.
@@ -161,9 +166,9 @@ class ComputeLog(Transform):
 
     def __call__(self, data: Any) -> Any:
         if self.start:
-            _clock.t0 = time.thread_time()
+            _clock.t0 = time.process_time()
         else:
-            cpu = time.thread_time() - getattr(_clock, "t0", time.thread_time())
+            cpu = time.process_time() - getattr(_clock, "t0", time.process_time())
             line = f"{_PHASE} {os.getpid()} {cpu:.6f}\n".encode()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -552,6 +557,7 @@ class MemorySampler:
             "mem_mean": sum(totals) / len(totals) if totals else None,
             "mem_warm": sum(inside) / len(inside) if inside else None,
             "mem_samples": len(totals),
+            "mem_processes_max": max((int(s["processes"]) for s in self.samples), default=0),
             "mem_sampler_cpu_s": self.cpu_s,
         }
 
