@@ -263,7 +263,15 @@ def _read_exact(fd: int, out: memoryview, offset: int) -> None:
         pos += n
 
 
-def read_blob(fd: int, key: str | None = None) -> tuple[bytearray, int]:
+def _buffer(n: int) -> memoryview:
+    """A fresh, writable, uninitialized byte buffer (numpy's allocator: no zero-fill, huge pages when large)."""
+    try:
+        return np.empty(n, dtype=np.uint8).data
+    except (MemoryError, ValueError):
+        raise codec.CorruptEntryError(f"cannot allocate {n} bytes for the entry") from None
+
+
+def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
     """Read and check the entry in ``fd``; return its codec blob (a fresh, writable buffer) and the file size.
 
     Raises:
@@ -277,23 +285,15 @@ def read_blob(fd: int, key: str | None = None) -> tuple[bytearray, int]:
     if len(head) < HEADER_SIZE:
         raise codec.CorruptEntryError("empty file" if not head else f"truncated: {len(head)} bytes")
     h = read_header(head, key, st.st_size)
-    try:
-        stored = bytearray(h["stored_len"])
-    except MemoryError:  # pragma: no cover - bounded by the file size
-        raise codec.CorruptEntryError("payload too large to read") from None
-    view = memoryview(stored)
+    view = _buffer(h["stored_len"])
     _read_exact(fd, view, HEADER_SIZE)
     if zlib.crc32(view) != h["crc"]:
         raise codec.CorruptEntryError("payload checksum mismatch")
     if not h["compressed"]:
-        return stored, st.st_size
+        return view, st.st_size
     if zstd is None:  # pragma: no cover
         raise codec.CorruptEntryError("entry is zstd-compressed and the 'zstandard' package is not installed")
-    try:
-        blob = bytearray(h["blob_len"])
-    except MemoryError:
-        raise codec.CorruptEntryError(f"blob length {h['blob_len']} cannot be allocated") from None
-    out = memoryview(blob)
+    out = _buffer(h["blob_len"])
     try:
         with _decompressor().stream_reader(view, read_across_frames=False, closefd=False) as reader:
             pos = 0
@@ -308,7 +308,7 @@ def read_blob(fd: int, key: str | None = None) -> tuple[bytearray, int]:
     if pos != out.nbytes or extra:
         got = f"more than {pos}" if extra else str(pos)
         raise codec.CorruptEntryError(f"payload decompresses to {got} bytes, expected {out.nbytes}")
-    return blob, st.st_size
+    return out, st.st_size
 
 
 def read_entry(path: str, key: str | None = None, allow_pickle: bool = False) -> Any:

@@ -1,0 +1,408 @@
+"""monai_cache.PersistentDataset vs MONAI's PersistentDataset, measured side by side in one run.
+
+Usage::
+
+    python benchmarks/bench_persistent.py            # ~160x160x96 volumes (a few minutes on 2 cores)
+    python benchmarks/bench_persistent.py --quick    # small volumes, well under a minute
+
+What it does, on synthetic CT-like NIfTI files (int16 images: air at -1000 HU, a noisy body, a few
+blobs; uint8 labels) and the chain of MONAI's 3-D segmentation tutorials (LoadImaged,
+EnsureChannelFirstd, Orientationd, Spacingd, ScaleIntensityRanged(clip=True), RandCropByPosNegLabeld),
+with a ``monai.data.DataLoader`` of ``--workers`` worker processes in a single process:
+
+1. bytes on disk per item: the ``.nii.gz`` sources, MONAI's ``torch.save`` files, ours (lossless default,
+   other zstd levels, no compression, no downcasting, lossy float16 images);
+2. epoch times (wall and CPU seconds, CPU including the workers): uncached ``monai.data.Dataset``; MONAI
+   and ours cold (first epoch, empty cache directory: for ours the epoch ends when the workers have
+   flushed their writes); MONAI and ours warm;
+3. the time a cache miss spends in ``__getitem__`` when the store is slow (an artificial delay added to
+   every file write), ours asynchronous vs synchronous;
+4. per zstd level: write and read time per item (single thread), to choose the default level.
+
+Medians over ``--repeats`` repeats (interleaved, so drift of a shared machine hits every variant alike).
+This is not a test: nothing is asserted, targets are printed next to the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import torch
+
+warnings.filterwarnings("ignore")
+
+from monai.data import DataLoader, Dataset  # noqa: E402
+from monai.data import PersistentDataset as MonaiPersistentDataset  # noqa: E402
+from monai.transforms import (  # noqa: E402
+    Compose,
+    EnsureChannelFirstd,
+    LoadImaged,
+    Orientationd,
+    RandCropByPosNegLabeld,
+    ScaleIntensityRanged,
+    Spacingd,
+)
+
+from monai_cache import disk  # noqa: E402
+from monai_cache.persistent import DEFAULT_COMPRESSION_LEVEL, PersistentDataset  # noqa: E402
+
+KEYS = ("image", "label")
+
+
+# ------------------------------------------------------------------------------------------------ data
+def make_volumes(directory: str, items: int, shape: tuple[int, int, int], seed: int = 0) -> list[dict]:
+    """CT-like int16 images (air -1000 HU, a noisy elliptic body, 4 blobs) and uint8 labels, 1x1x2 mm voxels."""
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    zz, yy, xx = np.ogrid[: shape[0], : shape[1], : shape[2]]
+    body = ((zz - shape[0] / 2) / (shape[0] * 0.42)) ** 2 + ((yy - shape[1] / 2) / (shape[1] * 0.35)) ** 2 < 1
+    body = np.broadcast_to(body, shape)
+    out = []
+    for i in range(items):
+        img = np.full(shape, -1000, np.int16)
+        lab = np.zeros(shape, np.uint8)
+        img[body] = 40
+        for k in range(4):
+            c = rng.integers(np.array(shape) // 4, 3 * np.array(shape) // 4)
+            r = int(rng.integers(max(3, shape[0] // 25), max(4, shape[0] // 11)))
+            m = (zz - c[0]) ** 2 + (yy - c[1]) ** 2 + ((xx - c[2]) * 2) ** 2 < r * r
+            img[m] = int(rng.integers(60, 200))
+            lab[m] = k % 2 + 1
+        noise = rng.normal(0, 12, shape).astype(np.int16)
+        img = np.where(body, img + noise, img).astype(np.int16)
+        affine = np.diag([1.0, 1.0, 2.0, 1.0])
+        ip, lp = os.path.join(directory, f"img{i}.nii.gz"), os.path.join(directory, f"lab{i}.nii.gz")
+        nib.save(nib.Nifti1Image(img, affine), ip)
+        nib.save(nib.Nifti1Image(lab, affine), lp)
+        out.append({"image": ip, "label": lp})
+    return out
+
+
+def make_chain(crop: tuple[int, int, int]) -> Compose:
+    return Compose(
+        [
+            LoadImaged(keys=KEYS),
+            EnsureChannelFirstd(keys=KEYS),
+            Orientationd(keys=KEYS, axcodes="RAS", labels=None),
+            Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
+            ScaleIntensityRanged(keys="image", a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
+            RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=crop, num_samples=2),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------------- timing
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run_epoch(ds: Any, workers: int) -> tuple[float, float]:
+    """Wall and CPU seconds of one epoch (workers are started and joined inside: their CPU is counted)."""
+    loader = DataLoader(ds, batch_size=2, num_workers=workers, shuffle=False, persistent_workers=False)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    for _ in loader:
+        pass
+    del loader
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def evict(directory: str) -> None:
+    """Drop the files of ``directory`` from the page cache (fsync, then POSIX_FADV_DONTNEED): a cold read."""
+    for e in os.scandir(directory):
+        fd = os.open(e.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: str, warm: bool = True) -> dict:
+    """Medians (wall, CPU) of: uncached epochs, cold first epochs (order rotated per repeat), warm epochs
+    with the cache files in the page cache and evicted from it."""
+    names = ["uncached", "ours_nocache", "monai_cold", "ours_cold"]
+    if warm:
+        names += ["monai_warm", "ours_warm", "monai_warm_evicted", "ours_warm_evicted"]
+    t: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
+    for r in range(repeats):
+        mdir, odir = os.path.join(root, f"monai{r}"), os.path.join(root, f"ours{r}")
+        jobs: list[tuple[str, Callable[[], Any]]] = [
+            ("uncached", lambda: Dataset(data, make_chain(crop))),
+            ("ours_nocache", lambda: PersistentDataset(data, make_chain(crop), None)),
+            ("monai_cold", lambda d=mdir: MonaiPersistentDataset(data, make_chain(crop), d)),
+            ("ours_cold", lambda d=odir: PersistentDataset(data, make_chain(crop), d)),
+        ]
+        jobs = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
+        for name, build in jobs:
+            t[name].append(run_epoch(build(), workers))
+        assert len([n for n in os.listdir(odir) if n.endswith(".mcache")]) == len(data), "writes not flushed"
+    if warm:
+        mdir, odir = os.path.join(root, "monai0"), os.path.join(root, "ours0")
+        for r in range(repeats):
+            pair = [("monai", MonaiPersistentDataset, mdir), ("ours", PersistentDataset, odir)]
+            for name, cls, d in pair if r % 2 == 0 else pair[::-1]:
+                t[f"{name}_warm"].append(run_epoch(cls(data, make_chain(crop), d), workers))
+            for name, cls, d in pair if r % 2 == 0 else pair[::-1]:
+                evict(d)
+                t[f"{name}_warm_evicted"].append(run_epoch(cls(data, make_chain(crop), d), workers))
+    out = {k: {"wall": med([w for w, _ in v]), "cpu": med([c for _, c in v])} for k, v in t.items()}
+    out["workers"] = workers  # type: ignore[assignment]
+    return out
+
+
+def dir_bytes(path: str, suffix: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(suffix))
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt_mb(n: float) -> str:
+    return f"{n / 1e6:8.3f} MB"
+
+
+# --------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small volumes and few repeats (well under a minute)")
+    ap.add_argument("--items", type=int, help="number of volumes (default 12, quick 6)")
+    ap.add_argument("--repeats", type=int, help="repeats of every epoch measurement (default 3)")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
+    ap.add_argument("--delay", type=float, default=0.25, help="artificial delay per file write, 'slow store' (s)")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument(
+        "--no-spare-core", action="store_true", help="skip the cold epochs with one worker fewer than CPUs"
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args(argv)
+    shape = (64, 64, 40) if args.quick else (160, 160, 96)
+    crop = (32, 32, 16) if args.quick else (64, 64, 48)
+    items = args.items or (6 if args.quick else 12)
+    repeats = args.repeats or 3
+    levels = [-5, -1, 1, 2, 3, 6] if args.quick else [-10, -5, -1, 1, 2, 3, 6]
+
+    root = tempfile.mkdtemp(prefix="bench_persistent_")
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__}",
+        "shape": shape,
+        "items": items,
+        "repeats": repeats,
+        "workers": args.workers,
+    }
+    try:
+        data = make_volumes(os.path.join(root, "data"), items, shape)
+        src = sum(os.path.getsize(v) for d in data for v in d.values()) / items
+        print(f"# {items} items of {shape} voxels, {args.workers} DataLoader workers, {repeats} repeats")
+        print(f"# {results['machine']}")
+
+        # ---- epochs
+        run_epoch(Dataset(data[:2], make_chain(crop)), args.workers)  # warm-up: page cache, lazy imports
+        epochs = measure_epochs(data, crop, args.workers, repeats, os.path.join(root, "main"))
+        results["epochs"] = epochs
+        spare = (os.cpu_count() or 1) - 1
+        if not args.no_spare_core and 1 <= spare < args.workers:
+            results["epochs_spare_core"] = measure_epochs(
+                data, crop, spare, repeats, os.path.join(root, "spare"), warm=False
+            )
+        mdir, odir = os.path.join(root, "main", "monai0"), os.path.join(root, "main", "ours0")
+
+        # ---- sizes (and per-level write/read speed) from the preprocessed items
+        monai_b = dir_bytes(mdir, ".pt") / items
+        ours_b = dir_bytes(odir, ".mcache") / items
+        reader = PersistentDataset(data, make_chain(crop), odir)
+        pre = [reader._cachecheck(d) for d in data]
+        variants: list[tuple[str, dict]] = [("no compression", {"compression": None})]
+        variants += [(f"zstd {lv}", {"compression_level": lv}) for lv in levels]
+        variants += [
+            (f"zstd {DEFAULT_COMPRESSION_LEVEL}, no downcast", {"downcast": False}),
+            (f"zstd {DEFAULT_COMPRESSION_LEVEL}, lossy image float16", {"lossy": {"image": torch.float16}}),
+        ]
+        torch.set_num_threads(1)
+        sizes = []
+        for name, kw in variants:
+            vdir = os.path.join(root, "v-" + name.replace(" ", "_").replace(",", ""))
+            os.makedirs(vdir)
+            store = disk.DiskStore(vdir, async_writes=False, **kw)
+            walls, cpus = [], []
+            for i, item in enumerate(pre):
+                c0, t0 = time.process_time(), time.perf_counter()
+                store.write(f"k{i}", item)
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+            w_wall, w_cpu = med(walls), med(cpus)
+            rounds = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for i in range(items):
+                    store.get(f"k{i}")
+                rounds.append((time.perf_counter() - t0) / items)
+            r_wall = med(rounds)
+            st = store.stats()["process"]
+            sizes.append(
+                {
+                    "variant": name,
+                    "bytes": dir_bytes(vdir, ".mcache") / items,
+                    "write_s": w_wall,
+                    "write_cpu_s": w_cpu,
+                    "read_s": r_wall,
+                    "read_GBps": st["bytes_raw"] / items / r_wall / 1e9,
+                }
+            )
+            shutil.rmtree(vdir)
+        results["bytes"] = {"nii.gz": src, "monai": monai_b, "ours_default": ours_b, "variants": sizes}
+
+        # MONAI's read of one of its files, for comparison with the per-level read times
+        pts = sorted(e.path for e in os.scandir(mdir) if e.name.endswith(".pt"))
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for p in pts:
+                torch.load(p, weights_only=True)
+            rounds.append((time.perf_counter() - t0) / len(pts))
+        results["monai_read_s"] = med(rounds)
+
+        # checksum speed (why CRC-32): over one default-level payload and one uncompressed blob
+        blob = bytes(disk.codec.encode(pre[0], downcast=True).to_bytes())
+        cs = {}
+        for fn_name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn(blob)
+            cs[fn_name] = 5 * len(blob) / (time.perf_counter() - t0) / 1e9
+        results["checksum_GBps"] = cs
+
+        # ---- slow store: time in __getitem__ on a miss, async vs sync, fast vs slow writes
+        original = disk.write_entry
+        slow_rows = []
+        for delay in (0.0, args.delay):
+
+            def slowed(*a: Any, _d: float = delay, **k: Any) -> int:
+                time.sleep(_d)
+                return original(*a, **k)
+
+            disk.write_entry = slowed  # type: ignore[assignment]
+            for async_writes in (True, False):
+                sdir = tempfile.mkdtemp(dir=root)
+                ds = PersistentDataset(data, make_chain(crop), sdir, async_writes=async_writes)
+                times = []
+                for i in range(min(items, 4)):
+                    t0 = time.perf_counter()
+                    ds[i]
+                    times.append(time.perf_counter() - t0)
+                ds.flush()
+                slow_rows.append({"delay": delay, "async": async_writes, "miss_s": med(times)})
+            disk.write_entry = original  # type: ignore[assignment]
+        results["slow_store"] = slow_rows
+        torch.set_num_threads(os.cpu_count() or 1)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print("kept", root)
+
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def print_epochs(e: dict, repeats: int, note: str = "") -> None:
+    print(f"\n## Epochs ({e['workers']} DataLoader workers{'; ' + note if note else ''}; medians of {repeats})")
+    print(f"{'':30s} {'wall s':>8s} {'CPU s':>8s} {'wall / uncached':>16s} {'wall / MONAI':>13s}")
+    rows = [
+        ("uncached monai Dataset", "uncached", None),
+        ("ours, cache_dir=None", "ours_nocache", None),
+        ("MONAI cold (1st epoch)", "monai_cold", "monai_cold"),
+        ("ours cold (1st epoch)", "ours_cold", "monai_cold"),
+        ("MONAI warm", "monai_warm", "monai_warm"),
+        ("ours warm", "ours_warm", "monai_warm"),
+        ("MONAI warm, files not cached", "monai_warm_evicted", "monai_warm_evicted"),
+        ("ours warm, files not cached", "ours_warm_evicted", "monai_warm_evicted"),
+    ]
+    for label, k, ref in rows:
+        if k not in e:
+            continue
+        r = f"{e[k]['wall'] / e[ref]['wall']:13.2f}" if ref else f"{'':13s}"
+        print(f"{label:30s} {e[k]['wall']:8.2f} {e[k]['cpu']:8.2f} {e[k]['wall'] / e['uncached']['wall']:16.2f} {r}")
+
+
+def report(res: dict) -> None:
+    b = res["bytes"]
+    e = res["epochs"]
+    print("\n## Bytes on disk per item")
+    head = f"{'':34s} {'bytes':>12s} {'x .nii.gz':>10s} {'x MONAI':>8s}"
+    print(f"{head} {'write/item':>11s} {'read/item':>10s} {'read GB/s':>9s}")
+    print(f"{'.nii.gz sources':34s} {fmt_mb(b['nii.gz'])} {1:10.2f} {b['nii.gz'] / b['monai']:8.3f}")
+    print(
+        f"{'MONAI torch.save':34s} {fmt_mb(b['monai'])} {b['monai'] / b['nii.gz']:10.2f} {1:8.3f} {'':>11s} "
+        f"{res['monai_read_s'] * 1e3:8.1f}ms"
+    )
+    default = f"ours default (zstd {DEFAULT_COMPRESSION_LEVEL}, lossless)"
+    print(
+        f"{default:34s} {fmt_mb(b['ours_default'])} "
+        f"{b['ours_default'] / b['nii.gz']:10.2f} {b['ours_default'] / b['monai']:8.3f}"
+    )
+    for v in b["variants"]:
+        print(
+            f"{'  ' + v['variant']:34s} {fmt_mb(v['bytes'])} {v['bytes'] / b['nii.gz']:10.2f} "
+            f"{v['bytes'] / b['monai']:8.3f} {v['write_s'] * 1e3:9.1f}ms {v['read_s'] * 1e3:8.1f}ms "
+            f"{v['read_GBps']:9.2f}"
+        )
+    print(
+        "(write: encode + downcast + compress + write, one thread; read: read + check + decompress + decode, "
+        "page cache warm; GB/s of in-memory item bytes)"
+    )
+    speeds = ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["checksum_GBps"].items())
+    print(f"checksums over an uncompressed blob: {speeds}")
+
+    print_epochs(e, res["repeats"])
+    if "epochs_spare_core" in res:
+        print_epochs(res["epochs_spare_core"], res["repeats"], "one CPU left free for the writer threads")
+
+    print("\n## Slow store: median time of a cache miss in __getitem__ (main process)")
+    print(f"{'write delay':>12s} {'async':>10s} {'sync':>10s}")
+    for delay in sorted({r["delay"] for r in res["slow_store"]}):
+        a = next(r for r in res["slow_store"] if r["delay"] == delay and r["async"])
+        s = next(r for r in res["slow_store"] if r["delay"] == delay and not r["async"])
+        print(f"{delay:11.2f}s {a['miss_s']:9.3f}s {s['miss_s']:9.3f}s")
+
+    print("\n## Targets")
+    print(
+        f"bytes, lossless default <= .nii.gz:      {b['ours_default'] / b['nii.gz']:.2f}x sources, "
+        f"{b['ours_default'] / b['monai']:.3f}x MONAI (target ~0.12x)"
+    )
+    for key in ("epochs", "epochs_spare_core"):
+        if key in res:
+            x = res[key]
+            print(
+                f"cold epoch <= 1.03x uncached ({x['workers']} workers): "
+                f"{x['ours_cold']['wall'] / x['uncached']['wall']:.2f}x "
+                f"(MONAI cold: {x['monai_cold']['wall'] / x['uncached']['wall']:.2f}x); "
+                f"{x['ours_cold']['wall'] / x['ours_nocache']['wall']:.2f}x ours with cache_dir=None (same outputs)"
+            )
+    print(
+        f"warm epoch <= MONAI warm:                {e['ours_warm']['wall'] / e['monai_warm']['wall']:.2f}x "
+        f"(files not in the page cache: {e['ours_warm_evicted']['wall'] / e['monai_warm_evicted']['wall']:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
