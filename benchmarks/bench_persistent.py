@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     crop = (32, 32, 16) if args.quick else (64, 64, 48)
     items = args.items or (6 if args.quick else 12)
     repeats = args.repeats or 3
-    levels = [-5, -1, 1, 2, 3, 6] if args.quick else [-10, -5, -1, 1, 2, 3, 6]
+    levels = [-5, -1, 1, 3, 6] if args.quick else [-10, -5, -3, -1, 1, 2, 3, 6]
 
     root = tempfile.mkdtemp(prefix="bench_persistent_")
     results: dict[str, Any] = {

@@ -69,6 +69,7 @@ except ImportError:  # pragma: no cover - zstandard is a dependency; compression
     zstd = None
 
 __all__ = [
+    "DEFAULT_COMPRESSION_LEVEL",
     "DISK_FORMAT_VERSION",
     "DISK_MAGIC",
     "ENTRY_SUFFIX",
@@ -93,6 +94,10 @@ HEADER_SIZE = _HEADER.size  # 64
 FLAG_ZSTD = 1
 _KNOWN_FLAGS = FLAG_ZSTD
 MAX_BLOB = 1 << 40  # 1 TiB: a header claiming more is rejected before allocating anything
+DEFAULT_COMPRESSION_LEVEL = -1
+"""zstd level used by default, chosen with ``benchmarks/bench_persistent.py`` (see ``docs/persistent.md``): the
+files stay well under the size of the ``.nii.gz`` sources, and negative levels store literals raw, which
+makes both compression (cold epoch) and decompression (warm epochs) about twice as fast as levels >= 1."""
 STALE_TMP_SECONDS = 3600.0  # temporary files older than this are left-overs of killed writers
 _HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 _IO_CHUNK = 1 << 30
@@ -554,7 +559,7 @@ class DiskStore:
         directory: str | os.PathLike,
         *,
         compression: str | None = "zstd",
-        compression_level: int = 1,
+        compression_level: int = DEFAULT_COMPRESSION_LEVEL,
         compression_threads: int = 0,
         downcast: bool = True,
         lossy: Mapping[str, torch.dtype] | None = None,

@@ -22,6 +22,7 @@ from torch.serialization import DEFAULT_PROTOCOL
 
 from monai_cache import codec
 from monai_cache.disk import (
+    DEFAULT_COMPRESSION_LEVEL,
     DISK_FORMAT_VERSION,
     MISSING,
     DiskStore,
@@ -33,8 +34,6 @@ from monai_cache.fingerprint import cacheable_transforms, fingerprint, transform
 
 __all__ = ["DEFAULT_COMPRESSION_LEVEL", "PersistentDataset"]
 
-DEFAULT_COMPRESSION_LEVEL = 3
-"""zstd level used by default (chosen with ``benchmarks/bench_persistent.py``; see ``docs/persistent.md``)."""
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
@@ -127,8 +126,9 @@ class PersistentDataset(_MonaiPersistentDataset):
             unpickled (see ``allow_pickle``), so loading is always restricted to tensors, arrays and plain values.
         async_writes: write cache files in a background thread (default) instead of inside ``__getitem__``.
         compression: ``"zstd"`` (default) or ``None`` to store the encoded items uncompressed.
-        compression_level: zstd level, default :data:`DEFAULT_COMPRESSION_LEVEL`. Higher levels write
-            smaller files more slowly; reading speed hardly changes.
+        compression_level: zstd level, default :data:`DEFAULT_COMPRESSION_LEVEL` (-1, chosen with
+            ``benchmarks/bench_persistent.py``). Levels 2-3 write about a third smaller files but compress and
+            decompress about twice as slowly; negative levels down to -5 are faster still and larger.
         compression_threads: zstd threads per write; 0 (default) compresses in the writer thread itself,
             -1 uses one thread per CPU.
         downcast: store each tensor in the smallest dtype that holds all of its values exactly (e.g. a float32
