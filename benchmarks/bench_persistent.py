@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         data = make_volumes(os.path.join(root, "data"), items, shape)
         src = sum(os.path.getsize(v) for d in data for v in d.values()) / items
         print(f"# {items} items of {shape} voxels, {args.workers} DataLoader workers, {repeats} repeats")
-        print(f"# {results['machine']}")
+        print(f"# {results['machine']}; load average at start {os.getloadavg()[0]:.1f}")
 
         # ---- epochs
         run_epoch(Dataset(data[:2], make_chain(crop)), args.workers)  # warm-up: page cache, lazy imports
@@ -255,6 +255,26 @@ def main(argv: list[str] | None = None) -> dict:
                 rounds.append((time.perf_counter() - t0) / items)
             r_wall = med(rounds)
             st = store.stats()["process"]
+            # zstd alone, best of 5 per item (robust to other load on a shared machine)
+            zc = zd = 0.0
+            if store.compression:
+                import zstandard
+
+                cctx = zstandard.ZstdCompressor(level=store.compression_level)
+                dctx = zstandard.ZstdDecompressor()
+                for item in pre:
+                    blob = disk.codec.encode(item, downcast=store.downcast, lossy=store.lossy).to_bytes()
+                    best_c = best_d = float("inf")
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        comp = cctx.compress(blob)
+                        best_c = min(best_c, time.perf_counter() - t0)
+                        out = np.empty(len(blob), np.uint8)
+                        t0 = time.perf_counter()
+                        dctx.stream_reader(comp).readinto(out.data)
+                        best_d = min(best_d, time.perf_counter() - t0)
+                    zc += best_c / items
+                    zd += best_d / items
             sizes.append(
                 {
                     "variant": name,
@@ -263,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "write_cpu_s": w_cpu,
                     "read_s": r_wall,
                     "read_GBps": st["bytes_raw"] / items / r_wall / 1e9,
+                    "zstd_compress_s": zc,
+                    "zstd_decompress_s": zd,
                 }
             )
             shutil.rmtree(vdir)
@@ -317,7 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             print("kept", root)
 
+    results["loadavg_end"] = os.getloadavg()
     report(results)
+    print(f"(load average at the end: {results['loadavg_end'][0]:.1f} / {results['loadavg_end'][1]:.1f} / "
+          f"{results['loadavg_end'][2]:.1f} for 1 / 5 / 15 min, on {os.cpu_count()} CPUs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -349,7 +374,7 @@ def report(res: dict) -> None:
     e = res["epochs"]
     print("\n## Bytes on disk per item")
     head = f"{'':34s} {'bytes':>12s} {'x .nii.gz':>10s} {'x MONAI':>8s}"
-    print(f"{head} {'write/item':>11s} {'read/item':>10s} {'read GB/s':>9s}")
+    print(f"{head} {'write/item':>11s} {'read/item':>10s} {'read GB/s':>9s} {'zstd c/d (best)':>16s}")
     print(f"{'.nii.gz sources':34s} {fmt_mb(b['nii.gz'])} {1:10.2f} {b['nii.gz'] / b['monai']:8.3f}")
     print(
         f"{'MONAI torch.save':34s} {fmt_mb(b['monai'])} {b['monai'] / b['nii.gz']:10.2f} {1:8.3f} {'':>11s} "
@@ -361,14 +386,16 @@ def report(res: dict) -> None:
         f"{b['ours_default'] / b['nii.gz']:10.2f} {b['ours_default'] / b['monai']:8.3f}"
     )
     for v in b["variants"]:
+        zc, zd = v["zstd_compress_s"] * 1e3, v["zstd_decompress_s"] * 1e3
+        zstd_cd = f"{zc:6.1f}/{zd:4.1f}ms" if zc else ""
         print(
             f"{'  ' + v['variant']:34s} {fmt_mb(v['bytes'])} {v['bytes'] / b['nii.gz']:10.2f} "
             f"{v['bytes'] / b['monai']:8.3f} {v['write_s'] * 1e3:9.1f}ms {v['read_s'] * 1e3:8.1f}ms "
-            f"{v['read_GBps']:9.2f}"
+            f"{v['read_GBps']:9.2f} {zstd_cd:>16s}"
         )
     print(
         "(write: encode + downcast + compress + write, one thread; read: read + check + decompress + decode, "
-        "page cache warm; GB/s of in-memory item bytes)"
+        "page cache warm; GB/s of in-memory item bytes; zstd c/d: compression / decompression alone, best of 5)"
     )
     speeds = ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["checksum_GBps"].items())
     print(f"checksums over an uncompressed blob: {speeds}")

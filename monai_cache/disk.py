@@ -494,7 +494,7 @@ _exit_hook_pid = -1
 _exit_hook_lock = threading.Lock()
 EXIT_FLUSH_TIMEOUT = 120.0
 WRITER_IDLE_SECONDS = 2.0
-WRITER_NICE = 10
+WRITER_NICE = 0  # >0 lowers the writer thread's priority (Linux); see _writer_loop
 
 
 def _flush_all_at_exit() -> None:
@@ -791,7 +791,9 @@ class DiskStore:
 
     def _writer_loop(self) -> None:
         if sys.platform.startswith("linux") and WRITER_NICE:
-            # Linux applies setpriority to one thread when given its id: compute in the caller goes first.
+            # Linux applies setpriority to one thread when given its id. Off by default: on a shared machine a
+            # low-priority writer is starved by other users' processes while back-pressure makes
+            # __getitem__ wait for it (a priority inversion measured with benchmarks/bench_persistent.py).
             with contextlib.suppress(OSError, AttributeError):
                 tid = threading.get_native_id()
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
