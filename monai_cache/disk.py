@@ -575,9 +575,11 @@ class DiskStore:
             raise ValueError(f"compression must be 'zstd' or None, got {compression!r}")
         if compression == "zstd" and zstd is None:  # pragma: no cover
             raise ValueError("compression='zstd' needs the 'zstandard' package: pip install zstandard")
-        if compression == "zstd" and zstd is not None:
-            lo, hi = zstd.MIN_COMPRESSION_LEVEL if hasattr(zstd, "MIN_COMPRESSION_LEVEL") else -131072, 22
-            if not isinstance(compression_level, int) or not lo <= compression_level <= hi:
+        if compression == "zstd":
+            lo, hi = -(1 << 17), zstd.MAX_COMPRESSION_LEVEL  # zstd's fastest "negative" level is -131072
+            if isinstance(compression_level, bool) or not isinstance(compression_level, int):
+                raise ValueError(f"compression_level must be an int, got {compression_level!r}")
+            if not lo <= compression_level <= hi:
                 raise ValueError(f"compression_level must be an int in [{lo}, {hi}], got {compression_level!r}")
         if int(max_pending_writes) < 1:
             raise ValueError(f"max_pending_writes must be at least 1, got {max_pending_writes!r}")
