@@ -119,7 +119,11 @@ MISSING: Any = _Missing()
 
 # ----------------------------------------------------------------------------------------------- format
 def key_tag(key: str) -> bytes:
-    """The 16 bytes that bind a file to its entry key (first half of SHA-256 of the key)."""
+    """The 16 bytes that bind a file to its entry key (first half of SHA-256 of the key).
+
+    Args:
+        key: the entry key (the file name without ``.mcache``).
+    """
     return hashlib.sha256(key.encode()).digest()[:16]
 
 
@@ -279,6 +283,10 @@ def _buffer(n: int) -> memoryview:
 def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
     """Read and check the entry in ``fd``; return its codec blob (a fresh, writable buffer) and the file size.
 
+    Args:
+        fd: a file descriptor of the entry file, opened for reading.
+        key: the entry key the file must hold; ``None`` skips the key check.
+
     Raises:
         CorruptEntryError: any check failed.
         OSError: the file could not be read.
@@ -343,6 +351,9 @@ def read_entry(path: str, key: str | None = None, allow_pickle: bool = False) ->
 def prepare_cache_dir(path: str | os.PathLike) -> str | None:
     """Create ``path`` (mode 0700) if needed and check that files can be created in it.
 
+    Args:
+        path: the cache directory.
+
     Returns:
         ``None`` if the directory is usable, else a sentence saying why not (it cannot be created, or files
         cannot be written in it); the caller then serves items uncached.
@@ -376,7 +387,15 @@ def prepare_cache_dir(path: str | os.PathLike) -> str | None:
 
 def sweep_temp_files(directory: str, max_age: float = STALE_TMP_SECONDS) -> int:
     """Remove temporary files left by killed writers: those of dead processes on this host, or older than
-    ``max_age`` seconds. Returns how many were removed."""
+    ``max_age`` seconds.
+
+    Args:
+        directory: the cache directory.
+        max_age: age in seconds after which any temporary file counts as left over.
+
+    Returns:
+        how many files were removed.
+    """
     removed = 0
     now = time.time()
     try:
@@ -637,7 +656,11 @@ class DiskStore:
         return f"DiskStore({self.directory!r}, {level}, {'async' if self.async_writes else 'sync'})"
 
     def path(self, key: str) -> str:
-        """The file of entry ``key``."""
+        """The file of entry ``key``.
+
+        Args:
+            key: the entry key (letters, digits, ``_.-``; it becomes the file name).
+        """
         return os.path.join(self.directory, key + ENTRY_SUFFIX)
 
     def _name(self, key: str) -> str:
@@ -650,7 +673,11 @@ class DiskStore:
 
     # -- reads --
     def contains(self, key: str) -> bool:
-        """Whether a file exists for ``key`` (not checked) or its write is pending in this process."""
+        """Whether a file exists for ``key`` (not checked) or its write is pending in this process.
+
+        Args:
+            key: the entry key.
+        """
         with self._cond:
             if key in self._pending:
                 return True
@@ -661,6 +688,9 @@ class DiskStore:
 
         A write still pending in this process is served from memory (a private copy). A file that fails a
         check is reported once, removed, and counted as corrupt; the caller then recomputes the item.
+
+        Args:
+            key: the entry key.
         """
         with self._cond:
             pending = self._pending.get(key)
@@ -744,6 +774,10 @@ class DiskStore:
         The writer gets its own copy of ``item`` (so that later in-place changes by the caller cannot reach
         the file). Blocks while the pending writes exceed ``max_pending_writes`` or ``max_pending_bytes``.
         Never raises for I/O problems: they are reported once and the item stays uncached.
+
+        Args:
+            key: the entry key.
+            item: the value to store (tensors, arrays, numbers, strings, enums, dict/list/tuple of these).
         """
         if self._disabled is not None or key in self._unsupported:
             self._count(skipped=1)
@@ -842,6 +876,10 @@ class DiskStore:
         An existing file for ``key`` is kept (another worker or rank wrote the same item). Values that the
         codec cannot store are reported once and the item is not cached; a full disk or an unwritable
         directory is reported once and disables writing in this store.
+
+        Args:
+            key: the entry key.
+            item: the value to store.
         """
         if self._disabled is not None:
             self._count(skipped=1)
@@ -925,7 +963,11 @@ class DiskStore:
             warn(message, stacklevel=6)
 
     def disable_writes(self, reason: str) -> None:
-        """Stop writing (e.g. the directory is known to be unwritable), reporting ``reason`` once."""
+        """Stop writing (e.g. the directory is known to be unwritable), reporting ``reason`` once.
+
+        Args:
+            reason: the warning to show (once for this store and the processes forked from it).
+        """
         self._disable(WARNED_UNWRITABLE, reason)
 
     @property
@@ -934,7 +976,11 @@ class DiskStore:
         return self._disabled
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until this process's pending writes are on disk; False if ``timeout`` seconds passed first."""
+        """Wait until this process's pending writes are on disk; False if ``timeout`` seconds passed first.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as needed.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:

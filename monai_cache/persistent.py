@@ -314,6 +314,9 @@ class PersistentDataset(_MonaiPersistentDataset):
 
         Writes still queued in this process are dropped first. As in MONAI, DataLoader workers must be
         re-created afterwards (``persistent_workers=False``).
+
+        Args:
+            data: the new input data.
         """
         self.data = data
         if self._store is not None:
@@ -350,7 +353,11 @@ class PersistentDataset(_MonaiPersistentDataset):
         return True if store is None else store.flush(timeout)
 
     def entry_path(self, index: int) -> Path | None:
-        """The cache file that holds (or would hold) data item ``index``; None without a ``cache_dir``."""
+        """The cache file that holds (or would hold) data item ``index``; None without a ``cache_dir``.
+
+        Args:
+            index: position in ``self.data``.
+        """
         store = self._get_store()
         if store is None:
             return None
