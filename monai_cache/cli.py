@@ -10,11 +10,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+__all__ = [
+    "COMMANDS",
+    "Command",
+    "build_parser",
+    "clear_disk_cache",
+    "disk_cache_info",
+    "main",
+    "verify_disk_cache",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +51,7 @@ def _demo_run(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
-# -- ls -----------------------------------------------------------------------------------------------------
+# -- ls / info ----------------------------------------------------------------------------------------------
 
 
 def _shm_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -52,27 +61,187 @@ def _shm_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _attached_pids(paths: Sequence[str]) -> dict[str, list[int]]:
+    """For each cache directory, the processes of this machine that hold its lease file open (best effort).
+
+    Only ``/proc/<pid>/fd`` entries we may read are seen, i.e. this user's processes (all with root).
+    """
+    leases = {os.path.join(p, "lease"): p for p in paths}
+    found: dict[str, set[int]] = {p: set() for p in paths}
+    if not leases:
+        return {}
+    try:
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {p: [] for p in paths}
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            owner = leases.get(target)
+            if owner is not None:
+                found[owner].add(pid)
+    return {p: sorted(s) for p, s in found.items()}
+
+
+def _shm_caches(shm_dir: str | None) -> list[dict[str, Any]]:
+    """:func:`monai_cache.shm.list_caches` plus ``processes`` (pids attached) and ``ours`` (has our stats file)."""
+    from monai_cache.shm import _STATS_MAGIC, _stats_magic, list_caches
+
+    caches = list_caches(shm_dir)
+    pids = _attached_pids([c["path"] for c in caches])
+    for c in caches:
+        c["processes"] = pids.get(c["path"], [])
+        c["ours"] = _stats_magic(os.path.join(c["path"], "stats")) == _STATS_MAGIC
+    return caches
+
+
+def _print_table(rows: list[list[str]], left: int = 1) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+
+
 def _ls_run(args: argparse.Namespace) -> int:
-    from monai_cache.shm import list_caches
     from monai_cache.utils import format_bytes
 
-    caches = list_caches(args.shm_dir)
+    try:
+        caches = _shm_caches(args.shm_dir)
+    except (FileNotFoundError, PermissionError) as e:
+        print(f"monai-cache: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(caches, indent=1))
         return 0
     if not caches:
         print("no monai_cache shared-memory caches")
         return 0
-    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "HITS", "MISSES"]]
+    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "PROCESSES", "HITS", "MISSES"]]
     rows += [
-        [c["key"], c["state"], str(c["entries"]), format_bytes(c["bytes"]), str(c["hits"]), str(c["misses"])]
+        [
+            c["key"],
+            c["state"],
+            str(c["entries"]),
+            format_bytes(c["bytes"]),
+            str(len(c["processes"])),
+            str(c["hits"]),
+            str(c["misses"]),
+        ]
         for c in caches
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    _print_table(rows, left=2)
     total = sum(c["bytes"] for c in caches)
-    print(f"{len(caches)} cache(s), {format_bytes(total)} in {caches[0]['path'].rsplit('/', 1)[0]}")
+    print(f"{len(caches)} cache(s), {format_bytes(total)} in {os.path.dirname(caches[0]['path'])}")
+    return 0
+
+
+def _info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "cache_dir", nargs="?", default=None, help="a PersistentDataset cache_dir; without it: the shared-memory caches"
+    )
+    _shm_dir_argument(parser)
+
+
+def disk_cache_info(cache_dir: str) -> dict[str, Any]:
+    """Describe a disk cache directory from its file headers (nothing is decoded).
+
+    Args:
+        cache_dir: a ``PersistentDataset`` ``cache_dir``.
+
+    Returns:
+        ``path``, ``entries`` (files with a valid header), ``bytes`` (their size), ``bytes_on_disk``
+        (allocated blocks), ``blob_bytes`` (the encoded items, uncompressed), ``compression_ratio``
+        (``blob_bytes / bytes``), ``compressed`` (entries stored with zstd), ``format_versions`` and
+        ``codec_versions`` (``{version: count}``), ``bad_headers`` (entry files whose header does not read),
+        ``temp_files`` (writes in progress or left by killed writers), ``other_files`` (not ours, e.g. MONAI's
+        ``.pt``; never opened) and ``hits`` (``None``: hit counters live in the training processes).
+
+    Raises:
+        NotADirectoryError: ``cache_dir`` is not a directory.
+    """
+    from monai_cache import codec
+    from monai_cache.disk import DISK_FORMAT_VERSION, ENTRY_SUFFIX, HEADER_SIZE, read_header
+
+    if not os.path.isdir(cache_dir):
+        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
+    info: dict[str, Any] = {
+        "path": os.path.abspath(cache_dir),
+        "entries": 0,
+        "bytes": 0,
+        "bytes_on_disk": 0,
+        "blob_bytes": 0,
+        "compression_ratio": 0.0,
+        "compressed": 0,
+        "format_versions": {},
+        "codec_versions": {},
+        "reader_format_version": DISK_FORMAT_VERSION,
+        "bad_headers": 0,
+        "temp_files": 0,
+        "other_files": 0,
+        "hits": None,
+    }
+    with os.scandir(cache_dir) as it:
+        for entry in it:
+            name = entry.name
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if name.startswith(".") and name.endswith(".tmp"):
+                info["temp_files"] += 1
+                continue
+            if name.startswith(".") or not name.endswith(ENTRY_SUFFIX):
+                info["other_files"] += 1
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                with open(entry.path, "rb") as f:
+                    head = f.read(HEADER_SIZE)
+                h = read_header(head, None, st.st_size)
+            except (OSError, codec.CorruptEntryError):
+                info["bad_headers"] += 1
+                continue
+            info["entries"] += 1
+            info["bytes"] += st.st_size
+            info["bytes_on_disk"] += st.st_blocks * 512
+            info["blob_bytes"] += h["blob_len"]
+            info["compressed"] += int(h["compressed"])
+            for field, version in (("format_versions", h["version"]), ("codec_versions", h["codec_version"])):
+                info[field][str(version)] = info[field].get(str(version), 0) + 1
+    if info["bytes"]:
+        info["compression_ratio"] = info["blob_bytes"] / info["bytes"]
+    return info
+
+
+def _info_run(args: argparse.Namespace) -> int:
+    from monai_cache.utils import format_bytes
+
+    if args.cache_dir is None:
+        return _ls_run(args)
+    try:
+        info = disk_cache_info(args.cache_dir)
+    except (NotADirectoryError, OSError) as e:
+        print(f"monai-cache info: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    versions = ", ".join(f"v{v}: {n}" for v, n in sorted(info["format_versions"].items())) or "-"
+    print(f"disk cache      {info['path']}")
+    print(f"entries         {info['entries']} ({info['compressed']} zstd-compressed)")
+    print(f"size            {format_bytes(info['bytes'])} ({format_bytes(info['bytes_on_disk'])} allocated)")
+    print(f"encoded items   {format_bytes(info['blob_bytes'])}")
+    print(f"compression     {info['compression_ratio']:.2f}x (encoded / file bytes)")
+    print(f"format version  {versions} (this version reads v{info['reader_format_version']})")
+    print(f"bad headers     {info['bad_headers']}" + ("  (run: monai-cache verify DIR)" if info["bad_headers"] else ""))
+    print(f"temp files      {info['temp_files']}")
+    print(f"other files     {info['other_files']} (not ours; never opened)")
+    print("hits            unknown (counted by the training processes: PersistentDataset.stats())")
     return 0
 
 
@@ -86,26 +255,224 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also remove kept (keep_warm) caches and caches in use; processes using them recompute missing entries",
     )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="remove the entries of this disk cache (only monai_cache files, recognised by name and magic number) "
+        "instead of shared-memory caches",
+    )
+
+
+def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
+    """Remove monai_cache's files from a disk cache directory, and the directory if it is then empty.
+
+    Only entry files (``*.mcache`` starting with the disk magic number) and our temporary files
+    (``.<key>.<host>.<pid>.<n>.tmp``) are removed; anything else (MONAI's ``.pt`` files, the user's own files)
+    is left alone.
+
+    Args:
+        cache_dir: a ``PersistentDataset`` ``cache_dir``.
+
+    Returns:
+        ``{"path", "removed", "bytes", "kept", "removed_dir"}``.
+
+    Raises:
+        NotADirectoryError: ``cache_dir`` is not a directory.
+    """
+    from monai_cache.disk import DISK_MAGIC, ENTRY_SUFFIX
+
+    if not os.path.isdir(cache_dir):
+        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
+    removed = kept = nbytes = 0
+    with os.scandir(cache_dir) as it:
+        entries = list(it)
+    for entry in entries:
+        name = entry.name
+        if not entry.is_file(follow_symlinks=False):
+            kept += 1
+            continue
+        ours = False
+        if name.startswith(".") and name.endswith(".tmp") and len(name.split(".")) >= 5:
+            ours = True
+        elif not name.startswith(".") and name.endswith(ENTRY_SUFFIX):
+            try:
+                with open(entry.path, "rb") as f:
+                    ours = f.read(len(DISK_MAGIC)) == DISK_MAGIC
+            except OSError:
+                ours = False
+        if not ours:
+            kept += 1
+            continue
+        try:
+            size = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        removed += 1
+        nbytes += size
+    removed_dir = False
+    if kept == 0:
+        try:
+            os.rmdir(cache_dir)
+            removed_dir = True
+        except OSError:
+            pass
+    return {
+        "path": os.path.abspath(cache_dir),
+        "removed": removed,
+        "bytes": nbytes,
+        "kept": kept,
+        "removed_dir": removed_dir,
+    }
 
 
 def _clear_run(args: argparse.Namespace) -> int:
-    from monai_cache.shm import list_caches, remove_cache
+    from monai_cache.shm import remove_cache
+    from monai_cache.utils import format_bytes
 
+    if args.cache_dir is not None:
+        try:
+            result = clear_disk_cache(args.cache_dir)
+        except (NotADirectoryError, OSError) as e:
+            print(f"monai-cache clear: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            gone = "; removed the empty directory" if result["removed_dir"] else ""
+            print(
+                f"removed {result['removed']} cache file(s), {format_bytes(result['bytes'])} from {result['path']}; "
+                f"kept {result['kept']} other file(s){gone}"
+            )
+        return 0
+    try:
+        caches = _shm_caches(args.shm_dir)
+    except (FileNotFoundError, PermissionError) as e:
+        print(f"monai-cache clear: {e}", file=sys.stderr)
+        return 2
     removed: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
-    for c in list_caches(args.shm_dir):
-        # Only entries of this user's monai_cache root are listed; nothing else in shm_dir is touched.
-        if args.all or c["state"] == "stale":
-            if remove_cache(c["key"], args.shm_dir, force=args.all):
-                removed.append(c)
-                continue
+    for c in caches:
+        # Only directories of this user's monai_cache root that hold our counters file are candidates.
+        if c["ours"] and (args.all or c["state"] == "stale") and remove_cache(c["key"], args.shm_dir, force=args.all):
+            removed.append(c)
+            continue
         kept.append(c)
     if args.json:
         print(json.dumps({"removed": removed, "kept": kept}, indent=1))
         return 0
     freed = sum(c["bytes"] for c in removed)
-    print(f"removed {len(removed)} cache(s), {freed / (1 << 20):.1f} MiB; kept {len(kept)} (live or kept; use --all)")
+    hint = "" if args.all else " (live or kept; --all removes them too)"
+    print(f"removed {len(removed)} cache(s), {format_bytes(freed)}; kept {len(kept)}{hint}")
     return 0
+
+
+# -- verify -------------------------------------------------------------------------------------------------
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("cache_dir", help="a PersistentDataset cache_dir")
+    parser.add_argument("--remove", action="store_true", help="delete the bad entries (they are recomputed on use)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="also decode values stored with pickle (only for caches from a trusted source)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def verify_disk_cache(cache_dir: str, remove: bool = False, allow_pickle: bool = False) -> dict[str, Any]:
+    """Read, check (header and payload checksums, key tag, lengths) and decode every entry of a disk cache.
+
+    Args:
+        cache_dir: a ``PersistentDataset`` ``cache_dir``.
+        remove: delete the bad entry files.
+        allow_pickle: decode pickled values too; without it their checksums are checked but they are not decoded.
+
+    Returns:
+        ``{"path", "checked", "ok", "bad": [{"file", "error", "removed"}], "not_decoded"}`` (``not_decoded``:
+        entries holding pickled values, checksums fine).
+
+    Raises:
+        NotADirectoryError: ``cache_dir`` is not a directory.
+    """
+    from monai_cache import codec
+    from monai_cache.disk import ENTRY_SUFFIX, read_entry
+
+    if not os.path.isdir(cache_dir):
+        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
+    with os.scandir(cache_dir) as it:
+        names = sorted(e.name for e in it if e.name.endswith(ENTRY_SUFFIX) and not e.name.startswith("."))
+    ok = not_decoded = 0
+    bad: list[dict[str, Any]] = []
+    for name in names:
+        path = os.path.join(cache_dir, name)
+        try:
+            read_entry(path, allow_pickle=allow_pickle)
+            ok += 1
+            continue
+        except FileNotFoundError:
+            continue  # removed meanwhile (another clear, a reset)
+        except codec.CorruptEntryError as e:
+            if not allow_pickle and "allow_pickle" in str(e):
+                not_decoded += 1
+                ok += 1
+                continue
+            error = str(e)
+        except OSError as e:
+            error = f"cannot read: {e.strerror or e}"
+        except Exception as e:  # a decoder bug must not stop the scan
+            error = f"{type(e).__name__}: {e}"
+        removed = False
+        if remove:
+            try:
+                os.unlink(path)
+                removed = True
+            except OSError:
+                pass
+        bad.append({"file": name, "error": error, "removed": removed})
+    return {
+        "path": os.path.abspath(cache_dir),
+        "checked": ok + len(bad),
+        "ok": ok,
+        "bad": bad,
+        "not_decoded": not_decoded,
+    }
+
+
+def _verify_run(args: argparse.Namespace) -> int:
+    try:
+        result = verify_disk_cache(args.cache_dir, remove=args.remove, allow_pickle=args.allow_pickle)
+    except (NotADirectoryError, OSError) as e:
+        print(f"monai-cache verify: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for b in result["bad"]:
+            print(f"BAD  {b['file']}: {b['error']}" + ("  (removed)" if b["removed"] else ""))
+        extra = f" ({result['not_decoded']} with pickled values not decoded)" if result["not_decoded"] else ""
+        n_bad = len(result["bad"])
+        print(f"{result['checked']} entries checked in {result['path']}: {result['ok']} ok, {n_bad} bad{extra}")
+        if result["bad"] and not args.remove:
+            print("pass --remove to delete the bad entries (they are recomputed when next used)")
+    return 1 if result["bad"] else 0
+
+
+# -- bench --------------------------------------------------------------------------------------------------
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from monai_cache import bench
+
+    bench.add_arguments(parser)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from monai_cache import bench
+
+    return bench.run(args)
 
 
 COMMANDS: list[Command] = [
@@ -115,28 +482,60 @@ COMMANDS: list[Command] = [
         _demo_arguments,
         _demo_run,
     ),
+    Command(
+        "bench",
+        "run the benchmarks (stock MONAI vs monai_cache in the same run); write docs/benchmarks.md and plots",
+        _bench_arguments,
+        _bench_run,
+    ),
     Command("ls", "list this user's shared-memory caches", _shm_dir_argument, _ls_run),
-    Command("clear", "remove stale shared-memory caches (--all: every cache of ours)", _clear_arguments, _clear_run),
+    Command(
+        "info",
+        "describe a disk cache directory (entries, bytes, compression, format); without one: like ls",
+        _info_arguments,
+        _info_run,
+    ),
+    Command(
+        "clear",
+        "remove stale shared-memory caches (--all: every cache of ours; --cache-dir: a disk cache)",
+        _clear_arguments,
+        _clear_run,
+    ),
+    Command(
+        "verify",
+        "check every entry of a disk cache (checksums, decoding); exit status 1 if any is bad",
+        _verify_arguments,
+        _verify_run,
+    ),
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per entry of :data:`COMMANDS`."""
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of :data:`COMMANDS`.
+
+    Args:
+        argv: the arguments about to be parsed. When given, only the command they name gets its options
+            set up (``demo``'s options import MONAI, which takes seconds; ``ls`` should not wait for that).
+    """
     parser = argparse.ArgumentParser(prog="monai-cache", description="monai_cache: shared-memory caching for MONAI.")
     from monai_cache import __version__
 
     parser.add_argument("--version", action="version", version=f"monai_cache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    names = {cmd.name for cmd in COMMANDS}
+    selected = None if argv is None else next((a for a in argv if a in names), "")
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
+        if selected is None or selected == cmd.name:
+            cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``monai-cache`` command line; returns the exit status."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)

@@ -1,0 +1,438 @@
+"""``monai-cache bench``: run the benchmarks and write the report ``docs/benchmarks.md`` with its plots.
+
+The benchmarks are the scripts of the repository's ``benchmarks/`` directory (not part of the installed
+package): ``bench_cache.py`` (CacheDataset: time to first batch, epoch times, memory of all processes),
+``bench_persistent.py`` (PersistentDataset: bytes on disk, cold and warm epochs) and ``bench_sampler.py``
+(ShardedDistributedSampler: hit rate, epoch time). Each runs as a subprocess; every ratio in their tables
+is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
+describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
+(epoch time per epoch, memory across processes, bytes on disk per item).
+
+``--quick`` runs reduced versions that finish in about a minute on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
+
+BENCHMARKS = ("cache", "persistent", "sampler")
+"""The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
+
+_MIB = 1 << 20
+
+
+def find_benchmarks(directory: str | None = None) -> Path | None:
+    """The ``benchmarks/`` directory: ``directory`` if given, else the one next to the package (a source
+    checkout), else ``./benchmarks``. ``None`` if none holds the scripts."""
+    candidates = (
+        [Path(directory)]
+        if directory
+        else [Path(__file__).resolve().parents[1] / "benchmarks", Path.cwd() / "benchmarks"]
+    )
+    for c in candidates:
+        if all((c / f"bench_{name}.py").is_file() for name in BENCHMARKS):
+            return c.resolve()
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores, memory, CPU model, load average, and the software versions of this machine."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": platform.processor() or platform.machine(),
+        "ram_bytes": None,
+        "loadavg": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["ram_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for module in ("torch", "monai", "monai_cache"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception:  # pragma: no cover - reported as unknown
+            info[module] = None
+    return info
+
+
+def _describe_machine(m: dict[str, Any]) -> str:
+    ram = f"{m['ram_bytes'] / (1 << 30):.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
+    load = m.get("loadavg") or [0.0, 0.0, 0.0]
+    end = m.get("loadavg_end")
+    load_end = f"; at the end {end[0]:.1f}" if end else ""
+    return (
+        f"{m['cpus_usable']} usable of {m['cpus']} CPU cores ({m['cpu_model']}), {ram}; load average at the start "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min){load_end}. Python {m['python']}, "
+        f"torch {m.get('torch')}, MONAI {m.get('monai')}, monai_cache {m.get('monai_cache')}; {m['platform']}."
+    )
+
+
+def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
+    py = sys.executable
+    cache = [py, str(bench_dir / "bench_cache.py"), "--out", str(work / "cache"), "--no-progress"]
+    persistent = [py, str(bench_dir / "bench_persistent.py"), "--json", str(work / "persistent.json")]
+    sampler = [py, str(bench_dir / "bench_sampler.py")]
+    if quick:
+        # Reduced versions of the scripts' own --quick modes, so the three together take about a minute.
+        cache += ["--quick", "--items", "4", "--epochs", "3", "--settings", "1x1", "--configs", "monai,monai-cache"]
+        cache += ["--mem-interval", "0.25"]
+        persistent += ["--quick", "--items", "4", "--repeats", "1", "--workers", "1"]
+        sampler += ["--quick"]
+    return {"cache": cache, "persistent": persistent, "sampler": sampler}
+
+
+def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
+    """Run one benchmark script; print its output as it comes (``echo``). Returns (exit status, output, seconds)."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        if deadline is not None and time.monotonic() > deadline:
+            proc.kill()
+            lines.append(f"(killed after {timeout:.0f} s)\n")
+            break
+    rc = proc.wait()
+    return rc, "".join(lines), time.perf_counter() - t0
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def _plot_epochs(cache: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    records = cache.get("records") or []
+    if not records:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    seen: set[str] = set()
+    for r in records:
+        label = f"{r.get('label', r['config'])} ({r['ranks']}x{r['workers']})"
+        if label in seen:  # repeats: plot the first only
+            continue
+        seen.add(label)
+        epochs = r.get("epoch_s") or []
+        ax.plot(range(1, len(epochs) + 1), epochs, marker="o", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("epoch time (s)")
+    ax.set_title("CacheDataset: epoch time per epoch")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_memory(cache: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    records = [r for r in cache.get("records") or [] if r.get("mem_peak")]
+    if not records:
+        return False
+    labels: list[str] = []
+    peaks: list[float] = []
+    means: list[float] = []
+    for r in records:
+        label = f"{r.get('label', r['config'])}\n{r['ranks']}x{r['workers']}"
+        if label in labels:
+            continue
+        labels.append(label)
+        peaks.append(r["mem_peak"] / _MIB)
+        means.append((r.get("mem_mean") or 0) / _MIB)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], peaks, width=0.4, label="peak")
+    ax.bar([x + 0.2 for x in xs], means, width=0.4, label="mean")
+    ax.set_xticks(list(xs), labels, fontsize="small")
+    ax.set_ylabel("MiB (all processes, PSS + shared memory)")
+    ax.set_title("CacheDataset: memory across processes")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_disk(persistent: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    sizes = persistent.get("bytes") if isinstance(persistent, dict) else None
+    if not isinstance(sizes, dict):
+        return False
+    names = {"nii.gz": ".nii.gz sources", "monai": "MONAI (torch.save)", "ours_default": "monai_cache (default)"}
+    pairs = [(label, sizes[k]) for k, label in names.items() if isinstance(sizes.get(k), (int, float))]
+    for v in sizes.get("variants") or []:
+        if isinstance(v, dict) and isinstance(v.get("bytes"), (int, float)) and v.get("variant"):
+            pairs.append((f"monai_cache {v['variant']}", v["bytes"]))
+    pairs = [(k, v) for k, v in pairs if v > 0]
+    if not pairs:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(pairs) + 1.2))
+    ax.barh([k for k, _ in pairs], [v / _MIB for _, v in pairs])
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB per item")
+    ax.set_title("PersistentDataset: bytes on disk per item")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plots(results: dict[str, Any], img_dir: Path) -> dict[str, str]:
+    """Write the PNG plots that the results allow; ``{kind: file name}``. Empty without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        return {}
+    img_dir.mkdir(parents=True, exist_ok=True)
+    made: dict[str, str] = {}
+    cache = results.get("cache", {}).get("data") or {}
+    persistent = results.get("persistent", {}).get("data") or {}
+    for kind, fn, data in (
+        ("epochs", _plot_epochs, cache),
+        ("memory", _plot_memory, cache),
+        ("disk", _plot_disk, persistent),
+    ):
+        name = f"bench_{kind}.png"
+        try:
+            if data and fn(data, img_dir / name):
+                made[kind] = name
+        except Exception as e:  # a plot must not lose the report
+            print(f"monai-cache bench: could not plot {kind}: {e}", file=sys.stderr)
+    return made
+
+
+# ----------------------------------------------------------------------------------------------- report
+_TITLES = {
+    "cache": "CacheDataset (shared memory) — `benchmarks/bench_cache.py`",
+    "persistent": "PersistentDataset (disk) — `benchmarks/bench_persistent.py`",
+    "sampler": "ShardedDistributedSampler — `benchmarks/bench_sampler.py`",
+}
+
+
+def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bool) -> Path:
+    """Write ``benchmarks.md`` and its plots (under ``img/``) into ``docs_dir``.
+
+    Args:
+        results: ``{"machine": machine_info(), "<benchmark>": {"cmd", "rc", "seconds", "output", "data",
+            "markdown"}}`` as :func:`run` collects them.
+        docs_dir: the documentation directory.
+        quick: whether the benchmarks ran in ``--quick`` mode (said in the report).
+
+    Returns:
+        the path of the report.
+    """
+    docs = Path(docs_dir)
+    docs.mkdir(parents=True, exist_ok=True)
+    plots = _plots(results, docs / "img")
+    machine = results["machine"]
+    when = results.get("date") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    mode = "`--quick` (reduced sizes: indicative only)" if quick else "full"
+    md = [
+        "# Benchmark report",
+        "",
+        "Generated by `monai-cache bench"
+        + (" --quick" if quick else "")
+        + f"` on {when}; mode: {mode}. Do not edit by hand: rerun the command.",
+        "",
+        f"**Machine:** {_describe_machine(machine)}",
+        "",
+        "Every ratio is against stock MONAI (`monai.data.CacheDataset`, `monai.data.PersistentDataset`, "
+        "`torch.utils.data.DistributedSampler`) measured in the same run, on the same synthetic data. On a shared "
+        "machine (see the load average) the numbers are noisy. How the caches work: "
+        "[shared memory](shared-memory.md), [disk cache](persistent.md), [sampler](sampler.md); "
+        "the detailed cache study is in [benchmarks-cache.md](benchmarks-cache.md).",
+        "",
+    ]
+    if plots:
+        md += ["## Plots", ""]
+        captions = {
+            "epochs": "Epoch time per epoch (the first epoch fills the cache)",
+            "memory": "Memory of all processes together (peak and mean)",
+            "disk": "Bytes on disk per item",
+        }
+        for kind, name in plots.items():
+            md += [f"![{captions[kind]}](img/{name})", ""]
+    for name in BENCHMARKS:
+        r = results.get(name)
+        if r is None:
+            continue
+        md += [f"## {_TITLES[name]}", ""]
+        cmd = " ".join(["python", *[os.path.relpath(a) if a.endswith(".py") else a for a in r["cmd"][1:]]])
+        md += [f"Command: `{_shorten(cmd)}` — exit status {r['rc']}, {r['seconds']:.0f} s.", ""]
+        if r.get("markdown"):
+            md += [r["markdown"].rstrip(), ""]
+        else:
+            md += ["```text", _clean_output(r["output"]), "```", ""]
+    path = docs / "benchmarks.md"
+    path.write_text("\n".join(md).rstrip() + "\n")
+    return path
+
+
+def _shorten(cmd: str) -> str:
+    """Drop temporary paths (``--out /tmp/...``) from a command shown in the report."""
+    parts = cmd.split()
+    out: list[str] = []
+    skip = False
+    for p in parts:
+        if skip:
+            skip = False
+            continue
+        if p in ("--out", "--json"):
+            skip = True
+            continue
+        out.append(p)
+    return " ".join(out)
+
+
+def _clean_output(text: str) -> str:
+    """Benchmark output without progress bars and carriage returns, for a code block."""
+    lines = []
+    for line in text.splitlines():
+        line = line.rsplit("\r", 1)[-1].rstrip()
+        if line.startswith("```"):
+            continue
+        lines.append(line)
+    return "\n".join(lines).strip()
+
+
+def _demote_headings(text: str) -> str:
+    """Markdown output of a script, its headings moved below the report's (``#`` -> ``###``)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            line = "#" * min(6, level + 2) + line[level:]
+        out.append(line)
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``monai-cache bench``."""
+    parser.add_argument("--quick", action="store_true", help="reduced sizes: about a minute in all")
+    parser.add_argument(
+        "--only",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated benchmarks to run (default {','.join(BENCHMARKS)})",
+    )
+    parser.add_argument(
+        "--benchmarks-dir", default=None, help="the benchmarks/ directory (default: the source checkout's)"
+    )
+    parser.add_argument(
+        "--docs-dir",
+        default=None,
+        help="where to write benchmarks.md and img/ (default: the checkout's docs/; '-' writes nothing)",
+    )
+    parser.add_argument("--work-dir", default=None, help="keep the raw results here (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``monai-cache bench``; returns the exit status (0 all ran, 1 a benchmark failed, 2 usage)."""
+    names = [n.strip() for n in str(args.only).split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown or not names:
+        print(
+            f"monai-cache bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr
+        )
+        return 2
+    bench_dir = find_benchmarks(args.benchmarks_dir)
+    if bench_dir is None:
+        where = args.benchmarks_dir or "next to the installed package or in the current directory"
+        print(
+            f"monai-cache bench: the benchmark scripts (benchmarks/bench_{{{','.join(BENCHMARKS)}}}.py) are not "
+            f"{'in ' + where if args.benchmarks_dir else where}. They ship with the source repository, not the "
+            "package: run this from a checkout, or pass --benchmarks-dir.",
+            file=sys.stderr,
+        )
+        return 2
+    docs_dir: Path | None
+    if args.docs_dir == "-":
+        docs_dir = None
+    elif args.docs_dir:
+        docs_dir = Path(args.docs_dir)
+    else:
+        docs_dir = bench_dir.parent / "docs"
+    with tempfile.TemporaryDirectory(prefix="monai-cache-bench-") as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        cmds = _commands(bench_dir, work, args.quick)
+        results: dict[str, Any] = {"machine": machine_info()}
+        results["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        failed = []
+        for name in names:
+            print(f"\n=== {name}: {' '.join(cmds[name])}", flush=True)
+            rc, output, seconds = run_benchmark(cmds[name], echo=not args.json)
+            r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
+            if name == "cache":
+                r["data"] = _read_json(work / "cache" / "bench.json")
+                md = work / "cache" / "bench.md"
+                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+            elif name == "persistent":
+                r["data"] = _read_json(work / "persistent.json")
+            elif name == "sampler" and rc == 0:
+                r["markdown"] = _demote_headings(_clean_output(output))
+            if rc != 0:
+                failed.append(name)
+                print(f"monai-cache bench: {name} failed with exit status {rc}", file=sys.stderr)
+            results[name] = r
+        results["machine"]["loadavg_end"] = list(os.getloadavg())
+        report = write_report(results, docs_dir, args.quick) if docs_dir is not None else None
+    summary = {
+        "machine": results["machine"],
+        "benchmarks": {n: {"rc": results[n]["rc"], "seconds": results[n]["seconds"]} for n in names},
+        "report": str(report) if report else None,
+        "failed": failed,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"\nmachine: {_describe_machine(results['machine'])}")
+        if report:
+            print(f"report: {report} (plots in {report.parent / 'img'})")
+    return 1 if failed else 0

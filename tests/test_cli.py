@@ -1,0 +1,244 @@
+"""The ``monai-cache`` command line, run as ``python -m monai_cache`` on real shared-memory and disk caches."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from monai_cache import bench, cli
+
+PY = sys.executable
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mc(*args: str, check: int | None = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m monai_cache ARGS`` (environment inherited: MONAI_CACHE_SHM_DIR from the fixture)."""
+    p = subprocess.run([PY, "-m", "monai_cache", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check is not None:
+        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def cl(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
+    """``monai-cache ARGS`` in this process (no interpreter start-up: the machine is shared and slow)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(list(args))
+    p = subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+    if check is not None:
+        assert rc == check, (rc, p.stdout, p.stderr)
+    return p
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS])
+def test_help_of_every_command(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    assert "usage: monai-cache " + command in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ shared memory
+def test_ls_info_clear_shared_memory(shm_dir):
+    # a live one, used by this process (made first: joining a cache reclaims stale ones)
+    import torch
+
+    from monai_cache.shm import SharedMemoryStore, cache_root
+
+    live = SharedMemoryStore("live", 2)
+    live[0] = {"x": torch.zeros(1000)}
+    live[1] = {"x": torch.ones(10)}
+    # a stale cache: its only user was killed
+    crash = textwrap.dedent(
+        """
+        import os, signal, torch
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("crashed", 2)
+        s[0] = {"x": torch.ones(1000)}
+        print(s.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    p = subprocess.run([PY, "-c", crash], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    stale_path = p.stdout.strip()
+    # things that are not ours: a file next to the root, a file and a directory inside the root
+    root = cache_root()
+    foreign = [os.path.join(shm_dir, "someone-elses"), os.path.join(root, "notes.txt")]
+    for path in foreign:
+        with open(path, "w") as f:
+            f.write("not a cache")
+    foreign_dir = os.path.join(root, "mine-not-yours")
+    os.mkdir(foreign_dir)
+    with open(os.path.join(foreign_dir, "data"), "w") as f:
+        f.write("keep me")
+    try:
+        caches = {c["key"]: c for c in json.loads(mc("ls", "--json").stdout)}
+        assert caches["crashed"]["state"] == "stale" and caches["crashed"]["processes"] == []
+        assert caches["live"]["state"] == "live" and os.getpid() in caches["live"]["processes"]
+        assert caches["live"]["entries"] == 2 and caches["live"]["bytes"] > 0
+        table = cl("ls").stdout
+        assert "crashed" in table and "live" in table and "PROCESSES" in table
+        assert cl("info").stdout == table  # info without a directory: the shared-memory caches
+
+        out = json.loads(mc("clear", "--json").stdout)
+        assert [c["key"] for c in out["removed"]] == ["crashed"]
+        assert not os.path.exists(stale_path)
+        assert os.path.isdir(live.path) and live[1]["x"].sum() == 10  # live cache untouched without --all
+
+        out = json.loads(cl("clear", "--all", "--json").stdout)
+        assert [c["key"] for c in out["removed"]] == ["live"]
+        assert not os.path.exists(live.path)
+        for path in foreign:
+            assert open(path).read() == "not a cache"
+        assert open(os.path.join(foreign_dir, "data")).read() == "keep me"
+        assert "removed 0 cache(s)" in cl("clear").stdout
+    finally:
+        live.release()
+
+
+def test_ls_missing_shm_dir_exits_2(tmp_path):
+    p = cl("ls", "--shm-dir", str(tmp_path / "nope"), check=2)
+    assert "does not exist" in p.stderr
+
+
+# ------------------------------------------------------------------------------------------- disk
+@pytest.fixture
+def disk_cache(tmp_path):
+    """A real PersistentDataset cache of 4 tiny items, written by a separate process (like training does)."""
+    cache_dir = tmp_path / "cache"
+    code = textwrap.dedent(
+        f"""
+        import numpy as np
+        from monai.transforms import Compose, ToTensord
+        from monai_cache import PersistentDataset
+        data = [{{"x": np.full((8, 8, 4), i, np.float32), "y": i}} for i in range(4)]
+        ds = PersistentDataset(data, Compose([ToTensord(keys=["x"])]), cache_dir={str(cache_dir)!r})
+        for i in range(len(ds)):
+            ds[i]
+        assert ds.flush(60)
+        """
+    )
+    subprocess.run([PY, "-c", code], check=True, timeout=120)
+    return cache_dir
+
+
+def test_info_verify_clear_disk_cache(disk_cache):
+    entries = sorted(n for n in os.listdir(disk_cache) if n.endswith(".mcache"))
+    assert len(entries) == 4
+    (disk_cache / "model.pt").write_bytes(b"MONAI's own file")  # not ours: never opened, never removed
+    (disk_cache / "fake.mcache").write_bytes(b"no magic here")  # our suffix, not our magic
+
+    info = json.loads(cl("info", str(disk_cache), "--json").stdout)
+    assert info["entries"] == 4 and info["bad_headers"] == 1 and info["other_files"] == 1
+    assert info["format_versions"] == {"1": 4} and info["bytes"] > 0 and info["compression_ratio"] > 0
+    assert info["hits"] is None
+    assert "entries         4" in cl("info", str(disk_cache)).stdout
+
+    os.unlink(disk_cache / "fake.mcache")
+    assert json.loads(cl("verify", str(disk_cache), "--json").stdout)["ok"] == 4
+
+    bad = disk_cache / entries[1]
+    raw = bytearray(bad.read_bytes())
+    raw[-3] ^= 0xFF  # flip a byte of the payload
+    bad.write_bytes(bytes(raw))
+    p = mc("verify", str(disk_cache), check=1)
+    assert f"BAD  {entries[1]}" in p.stdout and "checksum" in p.stdout and "3 ok, 1 bad" in p.stdout
+    result = json.loads(cl("verify", str(disk_cache), "--json", check=1).stdout)
+    assert [b["file"] for b in result["bad"]] == [entries[1]] and not result["bad"][0]["removed"]
+    assert bad.exists()
+    cl("verify", str(disk_cache), "--remove", check=1)
+    assert not bad.exists()
+    cl("verify", str(disk_cache), check=0)
+
+    out = json.loads(cl("clear", "--cache-dir", str(disk_cache), "--json").stdout)
+    assert out["removed"] == 3 and out["kept"] == 1 and not out["removed_dir"]
+    assert os.listdir(disk_cache) == ["model.pt"]
+
+
+def test_disk_commands_on_missing_dir_exit_2(tmp_path):
+    for args in (["info", str(tmp_path / "nope")], ["verify", str(tmp_path / "nope")]):
+        assert "not a directory" in cl(*args, check=2).stderr
+    assert "not a directory" in cl("clear", "--cache-dir", str(tmp_path / "nope"), check=2).stderr
+
+
+def test_clear_removes_an_emptied_cache_dir(tmp_path):
+    from monai_cache.disk import DISK_MAGIC
+
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "k.mcache").write_bytes(DISK_MAGIC + bytes(100))
+    (d / ".k.abcd1234.123.w0.tmp").write_bytes(b"partial")
+    out = cli.clear_disk_cache(str(d))
+    assert out["removed"] == 2 and out["removed_dir"] and not d.exists()
+
+
+# ------------------------------------------------------------------------------------------- bench
+_STUBS = {
+    "bench_cache.py": """
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        rec = lambda cfg, label, e: {"config": cfg, "label": label, "ranks": 1, "workers": 1, "epoch_s": e,
+                                      "mem_peak": 300 << 20, "mem_mean": 200 << 20}
+        json.dump({"records": [rec("monai", "MONAI", [3, 1, 1]), rec("monai-cache", "ours", [2, 0.5, 0.5])]},
+                  open(os.path.join(out, "bench.json"), "w"))
+        open(os.path.join(out, "bench.md"), "w").write("### 1 rank(s)\\n\\n| a | b |\\n|---|---|\\n| 1 | 2 |\\n")
+        print("cache table")
+    """,
+    "bench_persistent.py": """
+        import json, sys
+        json.dump({"bytes": {"nii.gz": 100000, "monai": 400000, "ours_default": 90000,
+                   "variants": [{"variant": "zstd-3", "bytes": 80000}]}},
+                  open(sys.argv[sys.argv.index("--json") + 1], "w"))
+        print("## Bytes on disk per item")
+    """,
+    "bench_sampler.py": """
+        print("# sampler benchmark")
+        print("| kind | hit rate |")
+        print("|---|---|")
+        print("| ours | 100% |")
+    """,
+}
+
+
+def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    stubs = tmp_path / "benchmarks"
+    stubs.mkdir()
+    for name, code in _STUBS.items():
+        (stubs / name).write_text(textwrap.dedent(code))
+    docs = tmp_path / "docs"
+    p = mc("bench", "--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
+    summary = json.loads(p.stdout[p.stdout.index("{\n") :])
+    assert summary["failed"] == [] and set(summary["benchmarks"]) == {"cache", "persistent", "sampler"}
+    assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
+    report = (docs / "benchmarks.md").read_text()
+    assert "**Machine:**" in report and "load average" in report and "CPU cores" in report
+    assert "| 1 | 2 |" in report and "### sampler benchmark" in report and "Bytes on disk per item" in report
+    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png"):
+        assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"img/{png}" in report
+
+
+def test_bench_without_scripts_exits_2(tmp_path):
+    p = cl("bench", "--benchmarks-dir", str(tmp_path), check=2)
+    assert "--benchmarks-dir" in p.stderr and "not" in p.stderr
+    assert cl("bench", "--only", "nonsense", check=2).stderr.startswith("monai-cache bench: unknown")
+
+
+def test_bench_finds_the_checkout_scripts():
+    assert bench.find_benchmarks() == __import__("pathlib").Path(REPO, "benchmarks").resolve()
