@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         results["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         failed = []
         for name in names:
-            print(f"\n=== {name}: {' '.join(cmds[name])}", flush=True)
+            print(f"\n=== {name}: {' '.join(cmds[name])}", file=sys.stderr if args.json else sys.stdout, flush=True)
             rc, output, seconds = run_benchmark(cmds[name], echo=not args.json)
             r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
             if name == "cache":

@@ -222,8 +222,8 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     for name, code in _STUBS.items():
         (stubs / name).write_text(textwrap.dedent(code))
     docs = tmp_path / "docs"
-    p = mc("bench", "--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
-    summary = json.loads(p.stdout[p.stdout.index("{\n") :])
+    p = cl("bench", "--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
+    summary = json.loads(p.stdout)  # --json: nothing else on stdout
     assert summary["failed"] == [] and set(summary["benchmarks"]) == {"cache", "persistent", "sampler"}
     assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
     report = (docs / "benchmarks.md").read_text()
