@@ -142,6 +142,7 @@ def _read_json(path: Path) -> Any:
 # ------------------------------------------------------------------------------------------------ plots
 def _plot_epochs(cache: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = cache.get("records") or []
     if not records:
@@ -155,6 +156,7 @@ def _plot_epochs(cache: dict[str, Any], path: Path) -> bool:
         seen.add(label)
         epochs = r.get("epoch_s") or []
         ax.plot(range(1, len(epochs) + 1), epochs, marker="o", label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("epoch time (s)")
     ax.set_title("CacheDataset: epoch time per epoch")
@@ -210,7 +212,7 @@ def _plot_disk(persistent: dict[str, Any], path: Path) -> bool:
     pairs = [(k, v) for k, v in pairs if v > 0]
     if not pairs:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(pairs) + 1.2))
+    fig, ax = plt.subplots(figsize=(8.0, 0.4 * len(pairs) + 1.4))
     ax.barh([k for k, _ in pairs], [v / _MIB for _, v in pairs])
     ax.invert_yaxis()
     ax.set_xlabel("MiB per item")
