@@ -241,7 +241,7 @@ def _info_run(args: argparse.Namespace) -> int:
     print(f"bad headers     {info['bad_headers']}" + ("  (run: monai-cache verify DIR)" if info["bad_headers"] else ""))
     print(f"temp files      {info['temp_files']}")
     print(f"other files     {info['other_files']} (not ours; never opened)")
-    print("hits            unknown (counted by the training processes: PersistentDataset.stats())")
+    print("hits            unknown (counted by the training processes: PersistentDataset.cache_stats())")
     return 0
 
 
