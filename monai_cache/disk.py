@@ -298,6 +298,8 @@ def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
     if len(head) < HEADER_SIZE:
         raise codec.CorruptEntryError("empty file" if not head else f"truncated: {len(head)} bytes")
     h = read_header(head, key, st.st_size)
+    if h["compressed"] and h["stored_len"] >= STREAM_READ_BYTES and zstd is not None:
+        return _read_streaming(fd, h), st.st_size
     view = _buffer(h["stored_len"])
     _read_exact(fd, view, HEADER_SIZE)
     if zlib.crc32(view) != h["crc"]:
@@ -322,6 +324,61 @@ def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
         got = f"more than {pos}" if extra else str(pos)
         raise codec.CorruptEntryError(f"payload decompresses to {got} bytes, expected {out.nbytes}")
     return out, st.st_size
+
+
+STREAM_READ_BYTES = 64 << 20
+"""Compressed payloads of this size or more are decompressed straight from the file, in chunks, instead of
+being read into memory first: reading a multi-gigabyte entry then holds the decoded blob and a few MiB."""
+
+
+class _CheckedReader:
+    """Reads ``length`` bytes of ``fd`` from ``offset`` in chunks (a zstd stream source), with a running CRC-32."""
+
+    __slots__ = ("crc", "fd", "left", "pos")
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.pos, self.left, self.crc = fd, offset, length, 0
+
+    def read(self, size: int = -1) -> bytes:
+        n = self.left if size is None or size < 0 else min(size, self.left)
+        data = os.pread(self.fd, n, self.pos) if n else b""
+        if n and not data:
+            raise codec.CorruptEntryError(f"truncated while reading: {self.left} payload bytes missing")
+        self.pos += len(data)
+        self.left -= len(data)
+        self.crc = zlib.crc32(data, self.crc)
+        return data
+
+    def drain(self) -> None:
+        while self.left:
+            self.read(1 << 24)
+
+
+def _read_streaming(fd: int, h: dict) -> memoryview:
+    """Decompress a large payload from ``fd`` into a fresh buffer, checking the payload CRC as it goes."""
+    out = _buffer(h["blob_len"])
+    src = _CheckedReader(fd, HEADER_SIZE, h["stored_len"])
+    error = None
+    try:
+        with _decompressor().stream_reader(src, read_size=1 << 22, read_across_frames=False, closefd=False) as r:
+            pos = 0
+            while pos < out.nbytes:
+                n = r.readinto(out[pos:])
+                if not n:
+                    break
+                pos += n
+            extra = r.read(1)
+        if pos != out.nbytes or extra:
+            got = f"more than {pos}" if extra else str(pos)
+            error = f"payload decompresses to {got} bytes, expected {out.nbytes}"
+    except zstd.ZstdError as e:
+        error = f"bad zstd payload: {e}"
+    src.drain()  # the checksum covers the whole stored payload: a damaged file reports a checksum mismatch
+    if src.crc != h["crc"]:
+        raise codec.CorruptEntryError("payload checksum mismatch")
+    if error is not None:
+        raise codec.CorruptEntryError(error)
+    return out
 
 
 def read_entry(path: str, key: str | None = None, allow_pickle: bool = False) -> Any:
@@ -790,6 +847,11 @@ class DiskStore:
         with self._cond:
             if key in self._pending:
                 return
+        if _nbytes(item) > self.max_pending_bytes:
+            # A volume larger than the whole queue: write it now, from the caller's item, rather than hold a
+            # deep copy of it for the writer (that copy would double the memory a multi-gigabyte item takes).
+            self.write(key, item)
+            return
         try:
             snapshot = copy.deepcopy(item)
         except Exception:  # an object that cannot be copied: write it now (the codec will say if it can)

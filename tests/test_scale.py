@@ -1,0 +1,405 @@
+"""Scale: many small items (64x64 2-D images) and one very large item, on real /dev/shm and a real disk.
+
+The counts are scaled down for CI (20,000 small items instead of 100,000; a 256 MiB "large" item instead
+of 2 GB) while the assertions are per item: descriptors and memory maps per process bounded by a constant,
+storage overhead per 16 KiB entry, lookup cost flat between n and 10n (a ratio with a wide margin, never an
+absolute time), peak memory of a large item as a multiple of its size. ``benchmarks/bench_scale.py`` runs
+the full sizes; results in ``docs/scale.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from monai.transforms import Transform
+from torch.utils.data import DataLoader
+
+from monai_cache import disk
+from monai_cache.dataset import CacheDataset
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.shm import SharedMemoryStore, list_caches
+
+N = 20_000  # small items in CI (the issue's 100,000 is benchmarks/bench_scale.py's full mode)
+ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
+MAX_OVERHEAD = 0.10
+
+
+class MakeImage(Transform):
+    """Deterministic (cacheable) transform: a data dict {"i": k} -> a random-looking (incompressible) 64x64 image."""
+
+    def __call__(self, d: dict) -> dict:
+        g = torch.Generator().manual_seed(int(d["i"]))
+        return {"image": torch.rand(1, 64, 64, generator=g), "i": int(d["i"])}
+
+
+def n_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def n_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def cache_fds(path: str) -> int:
+    """Descriptors of this process open on files of the cache directory ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(path + "/")
+        except OSError:
+            pass
+    return n
+
+
+def cache_maps(path: str) -> int:
+    """Memory maps of this process on files of the cache directory ``path``."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if path + "/" in line)
+
+
+def blocks_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+class Probe(torch.utils.data.Dataset):
+    """Reads the cache; every 1,000th access also reports this process's descriptors and maps."""
+
+    def __init__(self, ds: CacheDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.ds[i]
+        probe = i % 1000 == 0 or i == len(self) - 1
+        path = self.ds._cache.path
+        return {
+            "image": item["image"],
+            "pid": os.getpid(),
+            "fds": cache_fds(path) if probe else -1,
+            "maps": cache_maps(path) if probe else -1,
+            "all_maps": n_maps() if probe else -1,
+        }
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A CacheDataset of N small items in a private /dev/shm directory, filled eagerly."""
+    path = f"/dev/shm/mc-scale-{os.getpid()}"
+    os.makedirs(path, exist_ok=True)
+    old = os.environ.get("MONAI_CACHE_SHM_DIR")
+    os.environ["MONAI_CACHE_SHM_DIR"] = path
+    data = [{"i": i} for i in range(N)]
+    fds0, maps0 = n_fds(), n_maps()
+    ds = CacheDataset(data, MakeImage(), progress=False, num_workers=1)
+    yield {"ds": ds, "shm_dir": path, "fds0": fds0, "maps0": maps0}
+    ds.release()
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+    if old is None:
+        os.environ.pop("MONAI_CACHE_SHM_DIR", None)
+    else:
+        os.environ["MONAI_CACHE_SHM_DIR"] = old
+
+
+# ------------------------------------------------------------------------------------- many small items
+def test_fds_and_maps_bounded_in_main_process(filled):
+    ds = filled["ds"]
+    store = ds._cache
+    assert isinstance(store, SharedMemoryStore)
+    assert store.stats()["machine"]["entries"] == N
+    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES  # the images themselves are cached
+    for i in range(N):  # read every item, dropping it (as a training loop does)
+        x = ds[i]["image"]
+        assert x.shape == (1, 64, 64)
+    del x
+    gc.collect()
+    fds, maps = n_fds() - filled["fds0"], n_maps() - filled["maps0"]
+    segments = sum(1 for n in os.listdir(store.path) if n.startswith("s."))
+    print(f"\n{N} items: {segments} segments; +{fds} fds, +{maps} maps in the main process; on the cache: "
+          f"{cache_fds(store.path)} fds, {cache_maps(store.path)} maps")
+    assert fds <= segments + 8  # one descriptor per segment (plus index, lease), none per item
+    assert cache_fds(store.path) <= segments + 5  # + index, lease, locks, our writer's segment
+    assert maps <= 64  # maps live only as long as the items decoded from them
+    assert cache_maps(store.path) <= 2
+    assert n_maps() < 65530 // 10
+
+
+def test_fds_and_maps_bounded_in_dataloader_workers(filled):
+    ds = filled["ds"]
+    segments = sum(1 for n in os.listdir(ds._cache.path) if n.startswith("s."))
+    loader = DataLoader(Probe(ds), batch_size=250, num_workers=4, shuffle=True)
+    per_worker: dict[int, list[tuple[int, int]]] = {}
+    seen = 0
+    for batch in loader:
+        seen += len(batch["image"])
+        for pid, f, m, a in zip(*(batch[k].tolist() for k in ("pid", "fds", "maps", "all_maps"))):
+            if f >= 0:
+                per_worker.setdefault(pid, []).append((f, m, a))
+    assert seen == N
+    assert len(per_worker) == 4
+    for pid, probes in per_worker.items():
+        fds, maps, all_maps = (max(p[k] for p in probes) for k in range(3))
+        print(f"worker {pid}: at most {fds} fds and {maps} maps on the cache, {all_maps} maps in all")
+        # Bounded whatever the number of items read: on the cache a worker holds one descriptor per segment
+        # (the DataLoader's own transport, one descriptor per batch tensor in flight, is not counted)
+        # (and, see test_items_held_alive_hold_no_descriptor, one descriptor and one map per decoded item
+        # still alive: the items of the batch being collated)
+        assert fds <= segments + loader.batch_size + 5
+        assert maps <= loader.batch_size + 5
+        assert all_maps < 65530 // 10
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="shm.py maps each read with mmap.mmap(fd, ...), and CPython (< 3.13) keeps a dup() of fd for as long "
+    "as the map lives: each decoded item still alive holds a descriptor and a map (docs/scale.md)",
+)
+def test_items_held_alive_hold_no_descriptor(filled):
+    ds = filled["ds"]
+    path = ds._cache.path
+    segments = sum(1 for n in os.listdir(path) if n.startswith("s."))
+    held = [ds[i] for i in range(2000)]
+    fds, maps = cache_fds(path), cache_maps(path)
+    print(f"\nholding {len(held)} decoded items: {fds} descriptors and {maps} maps on the cache")
+    assert fds <= segments + 5
+
+
+def test_shm_overhead_per_16k_entry(filled):
+    store = filled["ds"]._cache
+    used = blocks_bytes(store.path)
+    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES
+    overhead = used / (N * ITEM_BYTES) - 1
+    print(f"\nshm: {used} bytes for {N} x {ITEM_BYTES}: overhead {overhead:.2%}")
+    assert overhead <= MAX_OVERHEAD
+
+
+def test_attach_ls_and_clear_do_not_scan_entries(filled):
+    store = filled["ds"]._cache
+    names = os.listdir(store.path)
+    # `monai-cache ls` and `clear` stat and remove the files of a cache: a few per 4,000 entries, not one each
+    assert len(names) <= N // 1000 + 10, sorted(names)[:20]
+    (info,) = [c for c in list_caches(filled["shm_dir"]) if c["path"] == store.path]
+    assert info["entries"] == N and info["state"] == "live"
+    # A second process attaching to the filled cache (as a DDP rank or a spawned worker does) finds every
+    # entry without computing one. Timed for the report only (no assertion on absolute speed).
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_scale import MakeImage
+        from monai_cache.dataset import CacheDataset
+        t = time.perf_counter()
+        ds = CacheDataset([{{"i": i}} for i in range({N})], MakeImage(), progress=False)
+        dt = time.perf_counter() - t
+        print(dt, ds.cache_stats()["process"]["misses"])
+        """
+    )
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=filled["shm_dir"])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    dt, misses = out.stdout.split()[-2:]
+    print(f"\nattach a CacheDataset to a filled cache of {N}: {float(dt):.2f} s")
+    assert int(misses) == 0
+
+
+def _per_access(fn, indices, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in indices:
+            fn(i)
+        best = min(best, time.perf_counter() - t)
+    return best / len(indices)
+
+
+def test_shm_lookup_cost_independent_of_item_count(filled, shm_dir):
+    big = filled["ds"]._cache
+    small = SharedMemoryStore("scale-small", N // 10, shm_dir=shm_dir)
+    try:
+        for i in range(N // 10):
+            small[i] = MakeImage()({"i": i})
+        rng = random.Random(0)
+        k = 2000
+        t_small = _per_access(small.__getitem__, [rng.randrange(N // 10) for _ in range(k)])
+        t_big = _per_access(big.__getitem__, [rng.randrange(N) for _ in range(k)])
+        print(f"\nper read: {t_small * 1e6:.1f} us at {N // 10}, {t_big * 1e6:.1f} us at {N}")
+        assert t_big < 3 * t_small  # complexity, not speed: 10x the items may not cost 3x per read
+    finally:
+        small.release()
+
+
+def test_hash_as_key_lookup_is_a_dict(shm_dir):
+    def make(n):
+        return CacheDataset([{"i": i} for i in range(n)], MakeImage(), hash_as_key=True, runtime_cache=True,
+                            progress=False)
+
+    small, big = make(N // 10), make(N)
+    try:
+        rng = random.Random(1)
+        t_small = _per_access(small._cache_index_of, [rng.randrange(N // 10) for _ in range(2000)])
+        t_big = _per_access(big._cache_index_of, [rng.randrange(N) for _ in range(2000)])
+        print(f"\nhash_as_key lookup: {t_small * 1e6:.1f} us at {N // 10}, {t_big * 1e6:.1f} us at {N}")
+        assert isinstance(big._hash_index, dict) and len(big._hash_index) == N
+        assert big._cache_index_of(N - 1) == N - 1
+        assert t_big < 3 * t_small
+    finally:
+        small.release()
+        big.release()
+
+
+# -------------------------------------------------------------------------------------- disk, small items
+@pytest.fixture(scope="module")
+def disk_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("scale-disk")
+    out = {}
+    for name, n, compression in (("raw-small", N // 40, None), ("raw", N // 4, None), ("zstd", N // 20, "zstd")):
+        d = base / name
+        d.mkdir()
+        store = DiskStore(d, compression=compression, async_writes=False)
+        for i in range(n):
+            assert store.write(f"k{i}", MakeImage()({"i": i}))
+        out[name] = (str(d), n, store)
+    return out
+
+
+def test_disk_lookup_cost_independent_of_file_count(disk_dirs):
+    (_, n_small, small), (_, n_big, big) = disk_dirs["raw-small"], disk_dirs["raw"]
+    rng = random.Random(2)
+    t_small = _per_access(lambda i: small.get(f"k{i}"), [rng.randrange(n_small) for _ in range(1000)])
+    t_big = _per_access(lambda i: big.get(f"k{i}"), [rng.randrange(n_big) for _ in range(1000)])
+    print(f"\ndisk get: {t_small * 1e6:.0f} us with {n_small} files, {t_big * 1e6:.0f} us with {n_big} files")
+    assert t_big < 3 * t_small
+
+
+@pytest.mark.parametrize("name", ["raw", "zstd"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="one file per entry: a 64x64 float32 item is 16 KiB of data plus ~0.4 KiB of headers, which a 4 KiB-"
+    "block file system stores in 20 KiB (25%); meeting 10% needs small entries packed into shared files on disk "
+    "too (docs/scale.md)",
+)
+def test_disk_overhead_per_16k_entry(disk_dirs, name):
+    path, n, _ = disk_dirs[name]
+    used = blocks_bytes(path)
+    overhead = used / (n * ITEM_BYTES) - 1
+    print(f"\ndisk ({name}): {used} bytes for {n} x {ITEM_BYTES}: overhead {overhead:.2%}")
+    assert overhead <= MAX_OVERHEAD
+
+
+# ------------------------------------------------------------------------------------------- a large item
+LARGE = 256 << 20
+
+_LARGE_SCRIPT = r"""
+import gc, json, os, sys, tempfile, warnings, zlib
+import torch
+from monai_cache.disk import DiskStore
+from monai_cache.shm import SharedMemoryStore
+
+def rss():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            if k in ("VmHWM", "VmRSS"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+mode, size, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+gc.collect(); reset_peak(); base = rss()["VmRSS"]
+item = {"image": torch.rand(size // 4, generator=torch.Generator().manual_seed(0))}  # float32, not integral
+crc = zlib.crc32(item["image"].numpy())
+if mode == "shm":
+    store = SharedMemoryStore("large", 1, shm_dir=where)
+    store[0] = item
+else:
+    store = DiskStore(where, compression=None if mode == "raw" else "zstd", downcast=False,
+                      max_pending_bytes=size // 2)
+    store.put("large", item)
+    assert store.flush(600)
+write_peak = rss()["VmHWM"] - base
+del item; gc.collect(); reset_peak(); base = rss()["VmRSS"]
+got = store[0] if mode == "shm" else store.get("large")
+same = zlib.crc32(got["image"].numpy()) == crc
+read_peak = rss()["VmHWM"] - base
+print(json.dumps({"write": write_peak / size, "read": read_peak / size, "same": same}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["shm", "raw", "zstd"])
+def test_large_item_peak_memory(mode, shm_dir, tmp_path):
+    where = shm_dir if mode == "shm" else str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", _LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n{mode}: peak RSS growth while writing {r['write']:.2f}x, reading {r['read']:.2f}x the item size")
+    assert r["same"]
+    # the item itself (1x) plus at most one extra copy, with a little slack for the interpreter
+    assert r["write"] <= 2.1
+    assert r["read"] <= 2.1
+
+
+def test_large_zstd_entry_damaged_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "STREAM_READ_BYTES", 1 << 16)  # take the streaming path with a small entry
+    store = DiskStore(tmp_path, async_writes=False, downcast=False)
+    x = torch.rand(1 << 18)
+    assert store.write("big", {"image": x})
+    assert torch.equal(store.get("big")["image"], x)
+    path = store.path("big")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.warns(Warning, match="checksum mismatch"):
+        assert store.get("big") is MISSING
+    assert not os.path.exists(path)
+
+
+def test_budget_smaller_than_one_item_skips_it_with_one_warning(shm_dir):
+    data = [{"i": i} for i in range(3)]
+
+    class Big(Transform):
+        def __call__(self, d):
+            g = torch.Generator().manual_seed(int(d["i"]))
+            return {"image": torch.rand(1 << 20, generator=g)}  # 4 MiB each, not compressible
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = CacheDataset(data, Big(), shm_budget="1MiB", progress=False)
+        items = [ds[i] for i in range(3)]
+    try:
+        full = [w for w in caught if "shared-memory cache is full" in str(w.message)]
+        assert len(full) == 1, [str(w.message) for w in caught]
+        for i, item in enumerate(items):
+            assert torch.equal(item["image"], Big()({"i": i})["image"])
+        stats = ds.cache_stats()["machine"]
+        assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["skipped"] >= 3
+    finally:
+        ds.release()
