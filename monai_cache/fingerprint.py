@@ -8,6 +8,7 @@ and validation sets, or a changed ``Spacingd``, never collide.
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -53,11 +54,34 @@ def _describe(obj: Any, depth: int = 0) -> str:
     return _ADDRESS.sub("", repr(obj))
 
 
+# Attributes that transforms overwrite on every call (not settings): MONAI's image readers remember the
+# last file they read. Left in, a transform that has already run would fingerprint differently.
+_VOLATILE_ATTRIBUTES = {"ImageReader": frozenset({"filenames"})}
+
+
+class _SettingsPickler(pickle.Pickler):
+    """Pickles objects for hashing only, leaving out per-call state."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        for base in type(obj).__mro__:
+            skip = _VOLATILE_ATTRIBUTES.get(base.__name__)
+            if skip is not None and hasattr(obj, "__dict__"):
+                state = {k: v for k, v in vars(obj).items() if k not in skip}
+                return type(obj), (), state
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _SettingsPickler(buf, protocol=4).dump(obj)
+    return buf.getvalue()
+
+
 def _digest_parts(parts: Iterable[Any]) -> str:
     h = hashlib.sha256()
     for part in parts:
         try:
-            raw = pickle.dumps(part, protocol=4)
+            raw = _dumps(part)
         except Exception:  # unpicklable (lambdas, open handles): fall back to a structural description
             raw = _describe(part).encode()
         h.update(len(raw).to_bytes(8, "little"))

@@ -201,10 +201,10 @@ def _stats_magic(path: str) -> int | None:
     return _U64.unpack_from(raw)[0] if len(raw) == 8 else None
 
 
-def _try_exclusive(lease_path: str) -> int | None:
+def _try_exclusive(lease_path: str, create: bool = True) -> int | None:
     """Open the lease file and try to lock it exclusively; the fd if nobody holds it, else None."""
     try:
-        fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(lease_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o600)
     except FileNotFoundError:
         return None
     try:
@@ -253,9 +253,9 @@ def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
             continue
         if name.startswith(".") or path == skip or not os.path.isdir(path):
             continue
-        if os.path.exists(os.path.join(path, "keep")):
-            continue
-        fd = _try_exclusive(os.path.join(path, "lease"))
+        if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
+            continue  # kept on purpose, or not one of our caches
+        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
         if fd is None:
             continue
         try:
@@ -872,10 +872,10 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
     out = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(path):
-            continue
-        fd = _try_exclusive(os.path.join(path, "lease"))
-        live = fd is None
+        if name.startswith(".") or not os.path.isdir(path) or not os.path.exists(os.path.join(path, "stats")):
+            continue  # not one of our caches
+        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
+        live = fd is None and os.path.exists(os.path.join(path, "lease"))
         if fd is not None:
             os.close(fd)
         stats = _read_stats(os.path.join(path, "stats")) or {}
@@ -899,12 +899,13 @@ def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> b
     """Remove one cache: stale or kept ones always, live ones only with ``force``. True if removed."""
     root = cache_root(shm_dir, create=False)
     path = os.path.join(root, key)
-    if not os.path.isdir(path) or "/" in key or key.startswith("."):
-        return False
+    if "/" in key or key.startswith(".") or not os.path.exists(os.path.join(path, "stats")):
+        return False  # not one of our caches
     with _RootLock(root):
-        fd = _try_exclusive(os.path.join(path, "lease"))
-        if fd is None and not force:
-            return False
+        lease = os.path.join(path, "lease")
+        fd = _try_exclusive(lease, create=False)
+        if fd is None and os.path.exists(lease) and not force:
+            return False  # live
         try:
             _remove_dir(path)
         finally:

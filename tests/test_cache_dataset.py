@@ -256,3 +256,12 @@ def test_bundle_target_full_dotted_path(shm_dir, volumes):
                                   "progress": False, "runtime_cache": True}})
     ds = parser.get_parsed_content("ds")
     assert type(ds) is monai_cache.CacheDataset and ds[0]["case"] == 0
+
+
+def test_fingerprint_does_not_change_once_transforms_have_run(shm_dir, volumes):
+    """MONAI's image readers remember the last file read; that must not change the cache's identity."""
+    tr = chain(crop=None)
+    first = monai_cache.CacheDataset(volumes[:2], tr, progress=False)  # the eager fill runs the transforms
+    again = monai_cache.CacheDataset(volumes[:2], tr, progress=False)
+    fresh = monai_cache.CacheDataset(volumes[:2], chain(crop=None), progress=False)
+    assert first._cache.path == again._cache.path == fresh._cache.path
