@@ -210,6 +210,8 @@ try:
     print("finished before the kill")
 except RuntimeError as e:
     print("killed" if "killed by signal" in str(e) else f"other error: {{e}}")
+except (EOFError, ConnectionError):  # killed while handing a batch over: its descriptors are gone
+    print("killed")
 it._shutdown_workers()
 sys.stdout.flush()
 os._exit(0)  # the cache is kept warm; skip interpreter teardown racing the DataLoader's threads
