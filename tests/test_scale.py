@@ -29,6 +29,8 @@ from monai_cache.dataset import CacheDataset
 from monai_cache.disk import MISSING, DiskStore
 from monai_cache.shm import SharedMemoryStore, list_caches
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)  # subprocesses import this checkout
 N = 20_000  # small items in CI (the issue's 100,000 is benchmarks/bench_scale.py's full mode)
 ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
 MAX_OVERHEAD = 0.10
@@ -212,7 +214,7 @@ def test_attach_ls_and_clear_do_not_scan_entries(filled):
         print(dt, ds.cache_stats()["process"]["misses"])
         """
     )
-    env = dict(os.environ, MONAI_CACHE_SHM_DIR=filled["shm_dir"])
+    env = dict(ENV, MONAI_CACHE_SHM_DIR=filled["shm_dir"])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     dt, misses = out.stdout.split()[-2:]
@@ -352,7 +354,8 @@ print(json.dumps({"write": write_peak / size, "read": read_peak / size, "same": 
 def test_large_item_peak_memory(mode, shm_dir, tmp_path):
     where = shm_dir if mode == "shm" else str(tmp_path)
     out = subprocess.run(
-        [sys.executable, "-c", _LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300,
+        env=ENV,
     )
     assert out.returncode == 0, out.stderr
     import json

@@ -1,0 +1,504 @@
+"""Scale benchmark: many small 2-D items, and one very large item, side by side with stock MONAI.
+
+Small items: synthetic 64x64 float32 images (16 KiB each, incompressible), read by 2 ranks x 4 DataLoader
+workers (two processes started like torchrun ranks, each with its own DataLoader), for these datasets:
+
+    ours-cache        monai_cache.CacheDataset (one node-wide copy in /dev/shm, eager fill split by the ranks)
+    ours-persistent   monai_cache.PersistentDataset (disk)
+    monai-cache       monai.data.CacheDataset (eager: each rank fills its own copy)
+    monai-processes   monai.data.CacheDataset(runtime_cache="processes") (a Manager ListProxy per rank)
+    monai-persistent  monai.data.PersistentDataset (disk)
+
+Each rank builds the dataset and reads it for two epochs; epoch 2 is the warm epoch. Reported: build time,
+warm items/s (both ranks together), peak memory (proportional set size of every process of the run,
+sampled every 0.25 s, plus the /dev/shm cache itself), descriptors and memory maps per DataLoader worker,
+and for ours: storage overhead per 16 KiB entry, attach time of a third process to the filled cache, and
+the times of ``monai-cache ls`` and ``monai-cache clear --all``.
+
+Large item: one float32 volume (2 GiB; 256 MiB with --quick) written and read through the shared-memory
+store and the disk store (uncompressed and zstd), with the peak RSS (VmHWM, reset between phases) as a
+multiple of the item size.
+
+Usage::
+
+    python benchmarks/bench_scale.py --quick          # 2,000 / 5,000 / 10,000 items, 256 MiB item: ~2-4 min
+    python benchmarks/bench_scale.py                  # 10,000 / 50,000 / 100,000 items, 2 GiB item
+    python benchmarks/bench_scale.py --sizes 100000 --variants ours-cache --large-mb 2048
+
+Writes ``bench_scale.json`` and, if matplotlib is installed, ``bench_scale.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# Measure this checkout, whatever `pip install -e` points at; child processes inherit it through PYTHONPATH.
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+VARIANTS = ("ours-cache", "ours-persistent", "monai-cache", "monai-processes", "monai-persistent")
+ITEM_BYTES = 64 * 64 * 4
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _make_transform():
+    from monai.transforms import Transform
+
+    class MakeImage(Transform):
+        def __call__(self, d):
+            import torch
+
+            g = torch.Generator().manual_seed(int(d["i"]))
+            return {"image": torch.rand(1, 64, 64, generator=g), "i": int(d["i"])}
+
+    MakeImage.__module__ = "__main__"
+    MakeImage.__qualname__ = "MakeImage"
+    return MakeImage
+
+
+def _proc_counts() -> tuple[int, int]:
+    fds = len(os.listdir("/proc/self/fd"))
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return fds, maps
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return seen
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakPss:
+    """Samples the total PSS of a set of process trees in a thread; ``peak`` is the largest total seen."""
+
+    def __init__(self, pids: list[int], interval: float = 0.25) -> None:
+        self.pids, self.interval, self.peak = pids, interval, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(_pss(p) for root in self.pids for p in _tree(root)))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _blocks(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+# ------------------------------------------------------------------------------------------ one rank
+def rank_main(variant: str, n: int, workers: int, cache_dir: str, result: str) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    MakeImage = _make_transform()
+    sys.modules["__main__"].MakeImage = MakeImage  # picklable by reference in both ranks
+    data = [{"i": i} for i in range(n)]
+    t0 = time.perf_counter()
+    if variant == "ours-cache":
+        from monai_cache import CacheDataset
+
+        ds = CacheDataset(data, MakeImage(), progress=False, num_workers=1, keep_warm=True)
+    elif variant == "ours-persistent":
+        from monai_cache import PersistentDataset
+
+        ds = PersistentDataset(data, MakeImage(), cache_dir=cache_dir)
+    elif variant == "monai-cache":
+        from monai.data import CacheDataset
+
+        ds = CacheDataset(data, MakeImage(), progress=False, num_workers=1)
+    elif variant == "monai-processes":
+        from monai.data import CacheDataset
+
+        ds = CacheDataset(data, MakeImage(), progress=False, runtime_cache="processes")
+    elif variant == "monai-persistent":
+        from monai.data import PersistentDataset
+
+        ds = PersistentDataset(data, MakeImage(), cache_dir=cache_dir)
+    else:
+        raise SystemExit(f"unknown variant {variant}")
+    build = time.perf_counter() - t0
+
+    class Probe(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ds)
+
+        def __getitem__(self, i):
+            item = ds[i]
+            probe = i % 997 == 0
+            fds, maps = _proc_counts() if probe else (-1, -1)
+            return {"image": item["image"], "fds": fds, "maps": maps}
+
+    epochs, fds, maps = [], 0, 0
+    for _epoch in range(2):
+        loader = DataLoader(Probe(), batch_size=64, num_workers=workers, shuffle=True)
+        t = time.perf_counter()
+        seen = 0
+        for batch in loader:
+            seen += len(batch["image"])
+            fds = max(fds, int(batch["fds"].max()))
+            maps = max(maps, int(batch["maps"].max()))
+        epochs.append(time.perf_counter() - t)
+        assert seen == n
+    with open(result, "w") as f:
+        json.dump({"build": build, "epochs": epochs, "worker_fds": fds, "worker_maps": maps}, f)
+
+
+# ------------------------------------------------------------------------------------- one variant
+def run_variant(variant: str, n: int, ranks: int, workers: int, timeout: float, shm_dir: str) -> dict:
+    work = tempfile.mkdtemp(prefix="bench-scale-", dir=os.environ.get("BENCH_SCALE_DISK", "/tmp"))
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")
+    cache_dir = os.path.join(work, "cache")
+    procs = []
+    t0 = time.perf_counter()
+    for r in range(ranks):
+        res = os.path.join(work, f"rank{r}.json")
+        cmd = [sys.executable, HERE, "--rank", variant, str(n), str(workers), cache_dir, res]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), res))
+    sampler = PeakPss([p.pid for p, _ in procs])
+    out: dict = {"variant": variant, "n": n}
+    errors = []
+    for p, _res in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            if p.returncode:
+                errors.append(err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            errors.append([f"timed out after {timeout:.0f} s"])
+    out["wall"] = time.perf_counter() - t0
+    out["peak_pss"] = sampler.stop()
+    if errors:
+        out["error"] = errors[0][0]
+    else:
+        ranks_out = [json.load(open(res)) for _, res in procs]
+        out["build"] = max(r["build"] for r in ranks_out)
+        warm = max(r["epochs"][-1] for r in ranks_out)
+        out["epoch1"] = max(r["epochs"][0] for r in ranks_out)
+        out["warm_items_s"] = ranks * n / warm
+        out["worker_fds"] = max(r["worker_fds"] for r in ranks_out)
+        out["worker_maps"] = max(r["worker_maps"] for r in ranks_out)
+    if variant == "ours-cache" and not errors:
+        out.update(_ours_cache_extras(n, shm_dir, workers, timeout))
+    if variant in ("ours-persistent", "monai-persistent") and os.path.isdir(cache_dir):
+        files = [e for e in os.scandir(cache_dir) if e.is_file()]
+        out["disk_files"] = len(files)
+        out["disk_bytes"] = _blocks(cache_dir)
+        out["disk_overhead"] = out["disk_bytes"] / (n * ITEM_BYTES) - 1
+    if variant == "ours-cache":
+        out["memory"] = out["peak_pss"] + out.get("shm_bytes", 0)
+    else:
+        out["memory"] = out["peak_pss"]
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _ours_cache_extras(n: int, shm_dir: str, workers: int, timeout: float) -> dict:
+    from monai_cache.shm import cache_root, list_caches
+
+    extras: dict = {}
+    caches = list_caches(shm_dir)
+    if not caches:
+        return extras
+    c = caches[0]
+    extras["shm_bytes"] = _blocks(c["path"])
+    extras["shm_overhead"] = extras["shm_bytes"] / (n * ITEM_BYTES) - 1
+    extras["shm_files"] = len(os.listdir(c["path"]))
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")
+    # a third process attaching to the filled cache: interpreter + imports, then the dataset itself
+    code = (
+        "import sys, time, json; sys.argv=['x']; t0=time.perf_counter();"
+        f"sys.path.insert(0, {os.path.dirname(HERE)!r}); import bench_scale as b; MakeImage=b._make_transform();"
+        "import __main__; __main__.MakeImage=MakeImage; from monai_cache import CacheDataset; t1=time.perf_counter();"
+        f"ds=CacheDataset([{{'i': i}} for i in range({n})], MakeImage(), progress=False);"
+        "t2=time.perf_counter(); print(json.dumps({'imports': t1-t0, 'attach': t2-t1,"
+        " 'misses': ds.cache_stats()['process']['misses']}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode == 0:
+        a = json.loads(r.stdout.strip().splitlines()[-1])
+        extras["attach_s"], extras["attach_imports_s"], extras["attach_misses"] = a["attach"], a["imports"], a["misses"]
+    cli = [sys.executable, "-m", "monai_cache"]
+    t = time.perf_counter()
+    subprocess.run(cli + ["ls"], env=env, capture_output=True, timeout=timeout)
+    extras["ls_s"] = time.perf_counter() - t
+    # the same work without the interpreter start and imports: ls (list + attached processes), then clear --all
+    code = (
+        "import time, json; from monai_cache import cli; from monai_cache.shm import remove_cache;"
+        "t0=time.perf_counter(); cs=cli._shm_caches(None); t1=time.perf_counter();"
+        "[remove_cache(c['key'], force=True) for c in cs]; t2=time.perf_counter();"
+        "print(json.dumps({'ls': t1-t0, 'clear': t2-t1}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode == 0:
+        a = json.loads(r.stdout.strip().splitlines()[-1])
+        extras["ls_core_s"], extras["clear_core_s"] = a["ls"], a["clear"]
+    t = time.perf_counter()
+    subprocess.run(cli + ["clear", "--all"], env=env, capture_output=True, timeout=timeout)
+    extras["clear_s"] = time.perf_counter() - t  # nothing left to remove: interpreter start and imports
+    extras["left_after_clear"] = len(os.listdir(cache_root(shm_dir, create=False))) if os.path.isdir(
+        cache_root(shm_dir, create=False)) else 0
+    return extras
+
+
+# ------------------------------------------------------------------------------------- large item
+_LARGE = r"""
+import gc, json, os, sys, time, zlib
+import torch
+from monai_cache.disk import DiskStore
+from monai_cache.shm import SharedMemoryStore
+
+def status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            if k in ("VmHWM", "VmRSS"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+mode, size, where, downcast = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+torch.set_num_threads(1)
+gc.collect(); reset_peak(); base = status()["VmRSS"]
+item = {"image": torch.rand(size // 4, generator=torch.Generator().manual_seed(0))}
+crc = zlib.crc32(item["image"].numpy())
+t = time.perf_counter()
+if mode == "shm":
+    store = SharedMemoryStore("large", 1, shm_dir=where)
+    store[0] = item
+else:
+    store = DiskStore(where, compression=None if mode == "disk-raw" else "zstd", downcast=downcast)
+    store.put("large", item)
+    store.flush()
+w = time.perf_counter() - t
+write_peak = status()["VmHWM"] - base
+del item; gc.collect(); reset_peak(); base = status()["VmRSS"]
+t = time.perf_counter()
+got = store[0] if mode == "shm" else store.get("large")
+same = zlib.crc32(got["image"].numpy()) == crc
+r = time.perf_counter() - t
+read_peak = status()["VmHWM"] - base
+print(json.dumps({"mode": mode, "downcast": downcast, "write_x": write_peak / size, "read_x": read_peak / size,
+                  "write_s": w, "read_s": r, "same": same}))
+"""
+
+
+def run_large(size_mb: int, shm_dir: str) -> list[dict]:
+    out = []
+    size = size_mb << 20
+    cases = [("shm", False), ("disk-raw", False), ("disk-zstd", False), ("disk-zstd", True)]
+    for mode, downcast in cases:
+        where = shm_dir if mode == "shm" else tempfile.mkdtemp(prefix="bench-large-",
+                                                              dir=os.environ.get("BENCH_SCALE_DISK", "/tmp"))
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        r = subprocess.run([sys.executable, "-c", _LARGE, mode, str(size), where, "1" if downcast else "0"],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        if r.returncode == 0:
+            row = json.loads(r.stdout.strip().splitlines()[-1])
+        else:
+            row = {"mode": mode, "downcast": downcast, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+        row["size_mb"] = size_mb
+        out.append(row)
+        print(f"  large {size_mb} MiB {mode}{' downcast' if downcast else ''}: {row}", flush=True)
+        if mode != "shm":
+            shutil.rmtree(where, ignore_errors=True)
+    return out
+
+
+def budget_check(shm_dir: str) -> dict:
+    """A budget smaller than one item: skipped with one warning, the item still returned."""
+    code = r"""
+import warnings, torch, json
+from monai_cache.shm import SharedMemoryStore
+s = SharedMemoryStore("budget", 2, budget=1 << 20)
+x = {"image": torch.rand(1 << 20)}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    v = s.get_or_compute(0, lambda: x); v2 = s.get_or_compute(1, lambda: x)
+full = [m for m in w if "is full" in str(m.message)]
+print(json.dumps({"warnings": len(full), "returned": bool(torch.equal(v["image"], x["image"])),
+                  "entries": s.stats()["machine"]["entries"]}))
+s.release()
+"""
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-300:]}
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> str:
+    lines = ["| dataset | items | build s | warm items/s | peak memory | worker fds | worker maps | notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            what = r["error"] if r["error"].startswith("timed out") else f"fails: {r['error'][:90]}"
+            lines.append(f"| {r['variant']} | {r['n']:,} | | | {_fmt_bytes(r['memory'])} | | | {what} |")
+            continue
+        notes = []
+        if "shm_overhead" in r:
+            notes.append(f"shm overhead {r['shm_overhead']:.1%} ({r['shm_files']} files)")
+        if "disk_overhead" in r:
+            notes.append(f"disk overhead {r['disk_overhead']:.1%} ({r['disk_files']:,} files)")
+        if "attach_s" in r:
+            notes.append(f"attach {r['attach_s']:.2f} s (+{r['attach_imports_s']:.1f} s imports); "
+                         f"ls {r.get('ls_core_s', float('nan')):.3f} s, clear {r.get('clear_core_s', float('nan')):.3f} s "
+                         f"(`monai-cache ls` {r['ls_s']:.1f} s with imports)")
+        lines.append(
+            f"| {r['variant']} | {r['n']:,} | {r['build']:.1f} | {r['warm_items_s']:,.0f} | {_fmt_bytes(r['memory'])} "
+            f"| {r['worker_fds']} | {r['worker_maps']} | {'; '.join(notes)} |"
+        )
+    # ratios against MONAI
+    ratio = ["", "| items | vs | warm items/s (ours / MONAI) | memory (MONAI / ours) |", "|---:|---|---:|---:|"]
+    by = {(r["variant"], r["n"]): r for r in rows}
+    for n in sorted({r["n"] for r in rows}):
+        for ours, theirs in (("ours-cache", "monai-cache"), ("ours-cache", "monai-processes"),
+                             ("ours-persistent", "monai-persistent")):
+            a, b = by.get((ours, n)), by.get((theirs, n))
+            if not a or not b or "error" in a:
+                continue
+            if "error" in b:
+                ratio.append(f"| {n:,} | {ours} vs {theirs} | MONAI: {b['error'][:40]} | |")
+                continue
+            ratio.append(f"| {n:,} | {ours} vs {theirs} | {a['warm_items_s'] / b['warm_items_s']:.2f} | "
+                         f"{b['memory'] / a['memory']:.2f} |")
+    lrows = ["", "| large item | write: peak RSS / size | read: peak RSS / size | write s | read s |",
+             "|---|---:|---:|---:|---:|"]
+    for r in large:
+        name = f"{r['size_mb']} MiB {r['mode']}{' downcast' if r.get('downcast') else ''}"
+        if "error" in r:
+            lrows.append(f"| {name} | fails: {r['error'][:80]} | | | |")
+        else:
+            lrows.append(f"| {name} | {r['write_x']:.2f} | {r['read_x']:.2f} | {r['write_s']:.1f} | {r['read_s']:.1f} |")
+    text = "\n".join(lines + ratio + lrows + ["", f"budget smaller than one item: {budget}"])
+    _plot(rows, out_dir)
+    return text
+
+
+def _plot(rows: list[dict], out_dir: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for v in VARIANTS:
+        pts = sorted((r["n"], r) for r in rows if r["variant"] == v and "error" not in r)
+        if not pts:
+            continue
+        ns = [p[0] for p in pts]
+        axes[0].plot(ns, [1e6 / p[1]["warm_items_s"] for p in pts], "o-", label=v)
+        axes[1].plot(ns, [p[1]["memory"] / 2**30 for p in pts], "o-", label=v)
+    axes[0].set(xlabel="items", ylabel="µs per item (warm epoch, 2 ranks x 4 workers)", xscale="log")
+    axes[1].set(xlabel="items", ylabel="peak memory, GiB", xscale="log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("64x64 float32 items: cost as the item count grows (2 shared CPU cores)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench_scale.png"), dpi=100)
+    print(f"wrote {os.path.join(out_dir, 'bench_scale.png')}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        _, _, variant, n, workers, cache_dir, result = sys.argv
+        rank_main(variant, int(n), int(workers), cache_dir, result)
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2,000/5,000/10,000 items and a 256 MiB item")
+    p.add_argument("--sizes", type=int, nargs="+")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--large-mb", type=int, help="size of the large item in MiB (0: skip)")
+    p.add_argument("--timeout", type=float, help="seconds per variant and size")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    sizes = args.sizes or ([2000, 5000, 10000] if args.quick else [10000, 50000, 100000])
+    large_mb = args.large_mb if args.large_mb is not None else (256 if args.quick else 2048)
+    timeout = args.timeout or (120 if args.quick else 1200)
+    shm_dir = f"/dev/shm/bench-scale-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm_dir)
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        for n in sizes:
+            for v in args.variants:
+                r = run_variant(v, n, args.ranks, args.workers, timeout, shm_dir)
+                print(f"{v} n={n}: " + json.dumps({k: (round(x, 4) if isinstance(x, float) else x)
+                                                 for k, x in r.items()}), flush=True)
+                rows.append(r)
+        large = run_large(large_mb, shm_dir) if large_mb else []
+        budget = budget_check(shm_dir)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_scale.json"), "w") as f:
+        json.dump({"rows": rows, "large": large, "budget": budget, "seconds": time.perf_counter() - t0,
+                   "cpus": os.cpu_count()}, f, indent=1)
+    print(report(rows, large, budget, args.out))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
