@@ -258,7 +258,8 @@ class CacheDataset(_MonaiCacheDataset):
             slot, data_index = job
             return None if store.fill(slot, partial(self._load_cache_item, data_index)) else job
 
-        jobs = list(enumerate(indices))
+        # Only the entries not cached yet: a process joining a filled cache starts at once.
+        jobs = [(slot, indices[slot]) for slot in store.missing()]
         with ThreadPool(self.num_workers) as pool:
             results = pool.imap(fill, jobs)
             if self.progress and _has_tqdm:

@@ -46,9 +46,10 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from monai_cache import codec
+if TYPE_CHECKING:  # the codec imports torch (seconds); `monai-cache ls` and `clear` need none of it
+    from monai_cache import codec
 from monai_cache.utils import OFDLock, format_bytes, parse_bytes, pid_alive, warn
 
 __all__ = ["SharedMemoryStore", "cache_root", "default_shm_dir", "list_caches", "remove_cache"]
@@ -598,6 +599,12 @@ class SharedMemoryStore:
         return self._describe(i) if self._describe is not None else f"entry {i}"
 
     # -- reads --
+    def missing(self) -> list[int]:
+        """Indices of the entries not published yet (one read of the whole index)."""
+        raw = os.pread(self._dir.index_fd, _SLOT.size * self._length, 0)
+        raw += bytes(_SLOT.size * self._length - len(raw))
+        return [i for i in range(self._length) if raw[_SLOT.size * i : _SLOT.size * (i + 1)] == _EMPTY_SLOT]
+
     def contains(self, index: int) -> bool:
         """Whether entry ``index`` is published (cheap: one read of its index slot, no decoding)."""
         slot = self._dir.read_slot(self._check_index(index))
@@ -622,13 +629,11 @@ class SharedMemoryStore:
             fd = self._dir.segment_fd(seg)
         except FileNotFoundError:
             return None
-        start = offset - offset % _PAGE
-        try:
-            mm = mmap.mmap(fd, offset - start + length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE,
-                           offset=start)
-        except (ValueError, OSError):  # the slot points past the end of the segment
-            return memoryview(b"")
-        return memoryview(mm)[offset - start :]
+        # A packed entry (< 1 MiB) is read into a private buffer: cheaper than map + fault + unmap, and it
+        # holds no descriptor or mapping per live item (Python < 3.13 keeps a dup'ed fd for every mmap).
+        buf = bytearray(length)
+        got = os.preadv(fd, [buf], offset)
+        return memoryview(buf) if got == length else memoryview(b"")  # short: past the segment's end
 
     def _read(self, i: int, count: bool = True) -> Any:
         slot = self._dir.read_slot(i)
@@ -640,6 +645,8 @@ class SharedMemoryStore:
         view = self._map(i, slot)  # type: ignore[arg-type]
         if view is None:
             return _MISSING
+        from monai_cache import codec
+
         try:
             item = codec.decode(view, allow_pickle=self._allow_pickle, verify=self._verify)
         except codec.CorruptEntryError as e:
@@ -674,6 +681,8 @@ class SharedMemoryStore:
         Raises:
             UnsupportedValueError: the item holds a value the codec cannot store.
         """
+        from monai_cache import codec
+
         enc = codec.encode(item, allow_pickle=self._allow_pickle)
         size = enc.nbytes
         if not self._reserve_space(size):

@@ -18,7 +18,6 @@ import textwrap
 import time
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from monai.transforms import Transform
@@ -169,12 +168,8 @@ def test_fds_and_maps_bounded_in_dataloader_workers(filled):
         assert all_maps < 65530 // 10
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py maps each read with mmap.mmap(fd, ...), and CPython (< 3.13) keeps a dup() of fd for as long "
-    "as the map lives: each decoded item still alive holds a descriptor and a map (docs/scale.md)",
-)
 def test_items_held_alive_hold_no_descriptor(filled):
+    """Packed entries are read into private buffers: no descriptor or map per decoded item still alive."""
     ds = filled["ds"]
     path = ds._cache.path
     segments = sum(1 for n in os.listdir(path) if n.startswith("s."))

@@ -71,7 +71,7 @@ def test_get_set_len_and_negative_index(shm_dir):
 
 def test_reads_are_zero_copy_and_copy_on_write(shm_dir):
     store = SharedMemoryStore("k3", 1)
-    store[0] = {"image": torch.arange(100_000, dtype=torch.float32)}
+    store[0] = {"image": torch.arange(400_000, dtype=torch.float32)}  # >= 1 MiB: mapped, not copied
     a = store[0]["image"]
     # zero-copy: the tensor's memory lies inside a mapping of the entry file
     ptr = a.data_ptr()
@@ -81,7 +81,7 @@ def test_reads_are_zero_copy_and_copy_on_write(shm_dir):
     a.mul_(-1)  # a random transform writing into its input...
     a[5] = 1e9
     b = store[0]["image"]  # ...never changes the shared copy
-    assert torch.equal(b, torch.arange(100_000, dtype=torch.float32))
+    assert torch.equal(b, torch.arange(400_000, dtype=torch.float32))
     store.release()
 
 
