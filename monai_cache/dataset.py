@@ -220,7 +220,7 @@ class CacheDataset(_MonaiCacheDataset):
         indices = self._plan(data)
         store = SharedMemoryStore(
             self._fingerprint(),
-            self.cache_num,
+            max(0, self.cache_num),  # a negative cache_num / cache_rate caches nothing, as in MONAI
             shm_dir=self.shm_dir,
             budget=self.shm_budget,
             keep_warm=self.keep_warm,

@@ -355,6 +355,12 @@ class _Directory:
                 fresh = True
             except FileExistsError:
                 fresh = False
+            st = os.lstat(self.path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # planted by someone else
+                raise PermissionError(
+                    f"{self.path} is not a directory owned by uid {os.getuid()}; monai_cache will not use it. "
+                    "Remove it, or choose another shm_dir."
+                )
             lease_path = os.path.join(self.path, "lease")
             fd = _try_exclusive(lease_path)
             wiped = False
@@ -369,7 +375,7 @@ class _Directory:
             fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
             self.lease_fd = fd
             if keep:
-                open(os.path.join(self.path, "keep"), "a").close()
+                _touch_private(os.path.join(self.path, "keep"))
             stats_path = os.path.join(self.path, "stats")
             if fresh or wiped or _stats_magic(stats_path) != _STATS_MAGIC:
                 _Stats(stats_path).reset()
@@ -411,6 +417,10 @@ class _Directory:
         self.writer = None  # never append to the parent's segment: start our own on the first write
 
 
+def _touch_private(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -434,7 +444,7 @@ def _acquire_directory(root: str, key: str, keep: bool) -> _Directory:
             d = _Directory(root, key, keep)
             _registry[path] = d
         elif keep:
-            open(os.path.join(d.path, "keep"), "a").close()
+            _touch_private(os.path.join(d.path, "keep"))
         d.refs += 1
         return d
 

@@ -27,6 +27,8 @@ def parse_bytes(value: int | float | str | None, name: str = "size") -> int | No
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number of bytes or a string like '8GiB', got {value!r}")
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{name} must be a finite number of bytes or a string like '8GiB', got {value!r}")
         n = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(value))
