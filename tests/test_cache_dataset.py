@@ -203,16 +203,26 @@ def kill_me_soon(worker_id):  # SIGKILL this DataLoader worker at a random momen
     threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 ds = monai_cache.CacheDataset({data!r}, chain(), runtime_cache=True, progress=False, keep_warm=True)
-it = iter(DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon))
+it = None
+outcome = "finished before the kill"
 try:
+    it = iter(DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon))
+    # torch's SIGCHLD handler raises from wherever the main thread happens to be; without it the loader
+    # finds the dead worker itself (its liveness check) and raises inside this loop
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for _ in it:
         pass
-    print("finished before the kill")
 except RuntimeError as e:
-    print("killed" if "killed by signal" in str(e) else f"other error: {{e}}")
+    died = "killed by signal" in str(e) or "exited unexpectedly" in str(e)
+    outcome = "killed" if died else f"other error: {{e}}"
 except (EOFError, ConnectionError):  # killed while handing a batch over: its descriptors are gone
-    print("killed")
-it._shutdown_workers()
+    outcome = "killed"
+try:
+    if it is not None:
+        it._shutdown_workers()
+except Exception:
+    pass
+print(outcome)
 sys.stdout.flush()
 os._exit(0)  # the cache is kept warm; skip interpreter teardown racing the DataLoader's threads
 """
