@@ -1,0 +1,297 @@
+"""Running out of room mid-training: a full shared-memory tmpfs, a full disk, a cache directory remounted
+read-only. Training must continue uncached with exactly one warning (from all workers together), return
+the right items throughout, and leave nothing partial behind.
+
+Every file system here is a real, size-limited tmpfs mounted for the test (skipped where mounting is not
+allowed); the trainers are forked processes with two real DataLoader workers each.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import warnings
+
+import pytest
+import torch
+
+from monai_cache import codec
+from monai_cache.dataset import CacheDataset
+from monai_cache.disk import DiskStore, read_entry, sweep_temp_files
+from monai_cache.persistent import PersistentDataset
+from monai_cache.shm import SharedMemoryStore, cache_root
+
+from ._harness import (
+    MakeItem,
+    batch_problem,
+    data_list,
+    fill,
+    item_problem,
+    record,
+    remount,
+    tmpfs,
+    tree_bytes,
+    tree_files,
+)
+
+FORK = multiprocessing.get_context("fork")
+_STANDALONE = 0xFFFFFFFF
+
+
+def _train(build, epochs: int, sizes, log: str, on_batch=None, finish=None) -> None:
+    """Body of a forked trainer: DataLoader with two forked workers, every item checked.
+
+    Every warning of this process and of its workers is appended to ``log`` (one line each).
+    Exits 3 on a wrong item.
+    """
+    from monai.data import DataLoader
+
+    torch.set_num_threads(1)
+    warnings.resetwarnings()
+    warnings.simplefilter("always")
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, (f"{os.getpid()} {category.__name__}: {message}".replace("\n", " ") + "\n").encode())
+        os.close(fd)
+
+    warnings.showwarning = show
+    ds = build()
+    g = torch.Generator().manual_seed(0)
+    for epoch in range(epochs):
+        for k, batch in enumerate(DataLoader(ds, batch_size=1, shuffle=True, generator=g, num_workers=2)):
+            if batch_problem(batch, sizes):
+                os._exit(3)
+            if on_batch is not None:
+                on_batch(epoch, k)
+    if finish is not None:
+        finish(ds)
+
+
+def run_trainer(*args, timeout: float = 240.0) -> int:
+    p = FORK.Process(target=_train, args=args)
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        pytest.fail(f"training did not finish within {timeout} s")
+    return p.exitcode
+
+
+def monai_cache_warnings(log: str) -> list[str]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [line for line in f if "monai_cache" in line]
+
+
+def shm_layout_problems(store: SharedMemoryStore, n: int) -> tuple[int, int, list[str]]:
+    """(entries, unreferenced bytes in segments, problems) of a shared-memory cache directory at rest:
+    no temporary file, no entry file without its slot, every published entry complete and right."""
+    problems, pages, entries = [], {}, 0
+    names = os.listdir(store.path)
+    problems += [f"temporary file left: {x}" for x in names if x.startswith(".tmp.")]
+    for i in range(n):
+        slot = store._dir.read_slot(i)
+        if slot is None:
+            if f"{i}.e" in names:
+                problems.append(f"{i}.e has no index slot (an orphaned entry file)")
+            continue
+        seg, offset, length = slot
+        if seg != _STANDALONE:
+            pages.setdefault(seg, set()).update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
+        entries += 1
+        got = store[i]
+        if got is None or item_problem(got, i):
+            problems.append(f"entry {i} is published but not right")
+    allocated = {int(x[2:]): os.stat(os.path.join(store.path, x)).st_blocks * 512 for x in names if x.startswith("s.")}
+    unreferenced = sum(max(0, allocated[s] - 4096 * len(pages.get(s, ()))) for s in allocated)
+    return entries, unreferenced, problems
+
+
+# ------------------------------------------------------------------------------------ shared memory
+def test_shared_memory_runs_out_mid_epoch(tmp_path):
+    """Another job eats the shared memory in the middle of epoch 1: training carries on uncached."""
+    n = 24
+    with tmpfs(str(tmp_path / "shm"), "size=16m") as shm:
+        def build():
+            return CacheDataset(data_list(n), MakeItem(), runtime_cache=True, cache_key="exhaustion",
+                                progress=False, shm_dir=shm)
+
+        reader = build()  # holds the cache open so it can be inspected after the trainer exits
+        store = reader._cache
+        log = str(tmp_path / "warnings.log")
+        filler = str(tmp_path / "filler-path")
+
+        def eat_shm(epoch: int, k: int) -> None:
+            if epoch == 0 and k == 5:
+                with open(filler, "w") as f:
+                    f.write(fill(shm, leave=0))
+
+        code = run_trainer(build, 3, None, log, eat_shm, lambda ds: ds.release())
+        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        full = monai_cache_warnings(log)
+        assert len(full) == 1 and "full" in full[0], full
+        assert "--shm-size" in full[0] and "shm_budget" in full[0]  # says what to do
+        entries, unreferenced, problems = shm_layout_problems(store, n)
+        assert not problems, problems
+        machine = store.stats()["machine"]
+        assert 1 <= entries < n and machine["skipped"] >= 1 and machine["corrupt"] == 0
+        # partial writes that hit ENOSPC leave no allocated bytes behind (posix_fallocate fails cleanly)
+        assert unreferenced <= 4096 * sum(1 for x in os.listdir(store.path) if x.startswith("s.")), unreferenced
+        with open(filler) as f:
+            os.unlink(f.read())
+        reader.release()
+        leftovers = tree_files(shm)
+        leaked = tree_bytes(shm)
+        assert leftovers == [f"{os.path.basename(cache_root(shm))}/.lock"] and leaked == 0, leftovers
+        record("exhaustion/shm-mid-epoch", epochs=3, items=n, items_checked=3 * n, entries_cached=entries,
+               skipped=machine["skipped"], warnings=len(full), unreferenced_bytes=unreferenced, bytes_leaked=leaked,
+               failures=0)
+
+
+def _join_full(shm: str, log: str) -> None:
+    _train(lambda: CacheDataset(data_list(4, 1000), MakeItem(), runtime_cache=True, cache_key="full-at-start",
+                                progress=False, shm_dir=shm), 1, dict.fromkeys(range(4), 1000), log)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="shm.py _Stats.__init__/reset: the 4 KiB stats file is ftruncate'd (sparse) and written through a "
+    "MAP_SHARED mapping; when the tmpfs is already full, the first write to that page raises SIGBUS and kills the "
+    "process (no ENOSPC, no warning). posix_fallocate the stats file before mapping it.",
+)
+def test_shared_memory_already_full_when_a_dataset_is_built(tmp_path):
+    """/dev/shm already full (another job) when a rank builds its dataset: it must train uncached, not die."""
+    with tmpfs(str(tmp_path / "shm"), "size=1m") as shm:
+        fill(shm, leave=0)
+        assert os.statvfs(shm).f_bavail == 0
+        log = str(tmp_path / "warnings.log")
+        p = FORK.Process(target=_join_full, args=(shm, log))
+        p.start()
+        p.join(120)
+        assert p.exitcode != -signal.SIGBUS, "the trainer was killed by SIGBUS"
+        assert p.exitcode == 0
+        assert len(monai_cache_warnings(log)) == 1
+
+
+def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_path):
+    """A budget too small for even one item: nothing cached, every item right, one warning, no file left."""
+    log = str(tmp_path / "warnings.log")
+    n = 8
+
+    def build():
+        return CacheDataset(data_list(n), MakeItem(), runtime_cache=True, cache_key="tiny-budget", progress=False,
+                            shm_dir=shm_dir, shm_budget=1000)
+
+    code = run_trainer(build, 2, None, log, None, lambda ds: ds.release())
+    assert code == 0
+    msgs = monai_cache_warnings(log)
+    assert len(msgs) == 1 and "budget reached" in msgs[0], msgs
+    assert tree_files(shm_dir) == [f"{os.path.basename(cache_root(shm_dir))}/.lock"]
+
+
+# --------------------------------------------------------------------------------------------- disk
+def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) -> tuple[int, list[str]]:
+    problems, files = [], 0
+    names = set(os.listdir(cache_dir))
+    problems += [f"temporary file left: {x}" for x in names if x.endswith(".tmp")]
+    for i in range(n):
+        path = ds.entry_path(i)
+        if path.name not in names:
+            continue
+        files += 1
+        try:
+            problem = item_problem(read_entry(str(path)), i, size)
+        except codec.CorruptEntryError as e:
+            problem = f"{path.name}: {e}"
+        if problem:
+            problems.append(problem)
+    return files, problems
+
+
+def test_disk_fills_up_mid_epoch(tmp_path):
+    """The disk fills up during epoch 1 (writes of two workers): one warning, training goes on uncached.
+
+    Uncompressed files: with zstd an ENOSPC can surface as a ZstdError (see the xfail test below), which
+    would make this test fail at random.
+    """
+    n, size = 24, 100_000  # 400 KB of random floats each: about 7 fit in 3 MiB
+    sizes = dict.fromkeys(range(n), size)
+    with tmpfs(str(tmp_path / "disk"), "size=3m") as cache_dir:
+        def build():
+            return PersistentDataset(data_list(n, size), MakeItem(), cache_dir=cache_dir, compression=None)
+
+        log = str(tmp_path / "warnings.log")
+        code = run_trainer(build, 3, sizes, log, None, lambda ds: ds.flush())
+        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        msgs = monai_cache_warnings(log)
+        assert len(msgs) == 1 and "is full" in msgs[0] and "cache_dir" in msgs[0], msgs
+        files, problems = _check_disk_dir(cache_dir, build(), n, size)
+        assert not problems, problems
+        assert 1 <= files < n
+        record("exhaustion/disk-full-mid-epoch", epochs=3, items=n, items_checked=3 * n, files_written=files,
+               warnings=len(msgs), partial_files=0, failures=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="disk.py write_entry: an ENOSPC raised by _Sink.write inside zstd's stream_writer is replaced by "
+    "ZstdError('Src size is incorrect') raised from the writer's __exit__; DiskStore.write only handles OSError, "
+    "so a full disk crashes put() with async_writes=False (PersistentDataset.__getitem__ raises) and gives an "
+    "'unexpected error' warning per item (writes not disabled) with async writes",
+)
+def test_disk_full_while_compressing_is_reported_as_disk_full(tmp_path):
+    outcomes = []
+    with tmpfs(str(tmp_path / "disk"), "size=3m") as mnt:
+        for k, floats in enumerate((100_000, 107_000, 114_000, 121_000)):
+            d = os.path.join(mnt, f"d{k}")
+            os.makedirs(d)
+            store = DiskStore(d, async_writes=False)  # compression="zstd", the default
+            g = torch.Generator().manual_seed(k)
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                try:
+                    for i in range(8):  # 8 x 400+ KB of random floats do not fit in 3 MiB
+                        store.put(f"k{i}", {"x": torch.randn(floats, generator=g)})
+                    raised = None
+                except Exception as e:
+                    raised = repr(e)
+            msgs = [str(w.message) for w in rec if "monai_cache" in str(w.message)]
+            outcomes.append((floats, raised, len(msgs), store.writes_disabled is not None))
+            assert not any(n.endswith(".tmp") for n in os.listdir(d))  # never anything partial
+            shutil.rmtree(d)
+    assert all(raised is None and warned == 1 and disabled for _, raised, warned, disabled in outcomes), outcomes
+
+
+def test_cache_dir_remounted_read_only_mid_epoch(tmp_path):
+    n, size = 16, 50_000
+    sizes = dict.fromkeys(range(n), size)
+    with tmpfs(str(tmp_path / "disk"), "size=64m") as cache_dir:
+        def build():
+            return PersistentDataset(data_list(n, size), MakeItem(), cache_dir=cache_dir)
+
+        def go_read_only(epoch: int, k: int) -> None:
+            if epoch == 0 and k == 6:
+                remount(cache_dir, "ro")
+
+        log = str(tmp_path / "warnings.log")
+        code = run_trainer(build, 3, sizes, log, go_read_only, lambda ds: ds.flush())
+        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        msgs = monai_cache_warnings(log)
+        assert len(msgs) == 1 and "cannot write" in msgs[0] and "cache_dir" in msgs[0], msgs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "cannot write files in the cache directory": right, and expected
+            reader = build()  # read-only now: reading works, nothing is written or removed
+        files, problems = _check_disk_dir(cache_dir, reader, n, size)
+        problems = [p for p in problems if not p.startswith("temporary file left")]
+        assert not problems and 1 <= files < n, (files, problems)
+        remount(cache_dir, "rw")
+        sweep_temp_files(cache_dir)  # what the next PersistentDataset does: a killed or stopped writer's leftovers
+        files_after, problems = _check_disk_dir(cache_dir, build(), n, size)
+        assert not problems and files_after == files, problems
+        record("exhaustion/disk-read-only-mid-epoch", epochs=3, items=n, items_checked=3 * n, files_written=files,
+               warnings=len(msgs), partial_files=0, failures=0)

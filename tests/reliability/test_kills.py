@@ -1,0 +1,379 @@
+"""SIGKILL at random moments of DataLoader workers and of whole ranks while they write to the
+shared-memory cache (CacheDataset) and to the disk cache (PersistentDataset).
+
+Two forked ranks (one with persistent workers, one without), each with two real DataLoader workers, run
+epochs forever and check every item they get. Before each trial the test invalidates the cache (clears
+the shared-memory entries / deletes the cache files) so that the workers are writing when the kill comes;
+after a seeded random delay it SIGKILLs one worker (its rank rebuilds the loader and carries on) or a whole
+rank (its process group; a new rank is started). After each trial every entry a fresh reader accepts is
+compared with the item it must be; every tenth trial every rank must complete another epoch (nothing
+blocks). At the end all ranks are killed at once, the stale cache they leave is reclaimed, and a next run
+must complete and leave nothing behind.
+
+``MONAI_CACHE_RELIABILITY_TRIALS`` (default 100 per store) and ``MONAI_CACHE_RELIABILITY_SEED`` set the
+number of trials and the seed (the long form: ``MONAI_CACHE_RELIABILITY_TRIALS=1000``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+
+from monai_cache import codec, disk
+from monai_cache.dataset import CacheDataset
+from monai_cache.disk import DiskStore, read_entry
+from monai_cache.persistent import PersistentDataset
+from monai_cache.shm import SharedMemoryStore, cache_root, list_caches
+from monai_cache.utils import OFDLock, pid_alive
+
+from ._harness import (
+    MakeItem,
+    data_list,
+    env_int,
+    item_problem,
+    kill_child_of,
+    make_item,
+    record,
+    start_rank,
+    tree_bytes,
+    tree_files,
+)
+
+FORK = multiprocessing.get_context("fork")
+TRIALS = env_int("MONAI_CACHE_RELIABILITY_TRIALS", 100)
+SEED = env_int("MONAI_CACHE_RELIABILITY_SEED", 20_240)
+N_ITEMS = 12
+PROGRESS_EVERY = 10
+PROGRESS_TIMEOUT = 120.0
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+# ----------------------------------------------------------------------------------------- targets
+class ShmTarget:
+    """CacheDataset(runtime_cache=True) in a shared-memory directory; the test process holds a reader."""
+
+    name = "shm"
+
+    def __init__(self, shm_dir: str) -> None:
+        self.shm_dir = shm_dir
+        self.reader = self.build()
+        self.store: SharedMemoryStore = self.reader._cache  # type: ignore[assignment]
+        self.verifier = SharedMemoryStore(self.store.key, N_ITEMS, shm_dir=shm_dir, verify=True)
+
+    def build(self) -> CacheDataset:
+        return CacheDataset(data_list(N_ITEMS), MakeItem(), runtime_cache=True, cache_key="reliability-kills",
+                            progress=False, shm_dir=self.shm_dir)
+
+    def invalidate(self) -> None:
+        self.store.clear()
+
+    def mid_write(self) -> bool:
+        """Whether a killed process left a large entry half written (``.tmp.<pid>.<tid>.<n>``)."""
+        return any(n.startswith(".tmp.") and not pid_alive(int(n.split(".")[2])) for n in os.listdir(self.store.path))
+
+    def check(self) -> tuple[int, list[str]]:
+        """(entries accepted, problems): every entry the default reader accepts must be exactly right, and
+        must pass the full data checksum too."""
+        accepted, problems = 0, []
+        for i in range(N_ITEMS):
+            got = self.store[i]
+            if got is None:
+                continue
+            accepted += 1
+            problem = item_problem(got, i)
+            if problem:
+                problems.append(problem)
+            if self.verifier[i] is None:  # only this process clears entries: None means it failed the check
+                problems.append(f"entry {i} accepted by the reader fails the data checksum")
+        corrupt = self.store.stats()["machine"]["corrupt"]
+        if corrupt:
+            problems.append(f"{corrupt} corrupt entries were found and removed")
+        return accepted, problems
+
+    def state(self) -> dict:
+        """What the kills left in the live cache: bytes the counters account for, bytes actually allocated
+        (segments of killed writers stay until the cache is removed), segment files."""
+        names = os.listdir(self.store.path)
+        return {"accounted_bytes": self.store.stats()["machine"]["bytes"],
+                "allocated_bytes": tree_bytes(self.store.path), "segments": sum(n.startswith("s.") for n in names)}
+
+    def release(self) -> None:
+        self.verifier.release()
+        self.reader.release()
+
+
+class DiskTarget:
+    """PersistentDataset (asynchronous writes) in a cache directory; the test process reads the files."""
+
+    name = "disk"
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self.reader = self.build()
+        self.paths = [str(self.reader.entry_path(i)) for i in range(N_ITEMS)]
+
+    def build(self) -> PersistentDataset:
+        return PersistentDataset(data_list(N_ITEMS), MakeItem(), cache_dir=self.cache_dir)
+
+    def invalidate(self) -> None:
+        for p in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def mid_write(self) -> bool:
+        """Whether a killed process left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``)."""
+        return any(
+            n.endswith(".tmp") and n.split(".")[3].isdigit() and not pid_alive(int(n.split(".")[3]))
+            for n in os.listdir(self.cache_dir)
+        )
+
+    def check(self) -> tuple[int, list[str]]:
+        accepted, problems = 0, []
+        for i, p in enumerate(self.paths):
+            try:
+                got = read_entry(p)
+            except FileNotFoundError:
+                continue
+            except codec.CorruptEntryError as e:  # rename-on-complete: a final name never holds a partial file
+                problems.append(f"entry {i}: corrupt file under its final name ({e})")
+                continue
+            accepted += 1
+            problem = item_problem(got, i)
+            if problem:
+                problems.append(problem)
+        return accepted, problems
+
+    def state(self) -> dict:
+        return {"files": sum(n.endswith(".mcache") for n in os.listdir(self.cache_dir))}
+
+    def release(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ trials
+def _final_run(target_factory, epochs: int) -> None:
+    """A next run after the crash: a fresh process, two workers, ``epochs`` complete epochs, exits normally."""
+    from monai.data import DataLoader
+
+    torch.set_num_threads(1)
+    ds = target_factory()
+    for _ in range(epochs):
+        for batch in DataLoader(ds, batch_size=1, shuffle=True, num_workers=2):
+            i = int(batch["i"][0])
+            got = {"i": i, "image": batch["image"][0], "name": batch["name"][0],
+                   "spacing": [float(s[0]) for s in batch["spacing"]]}
+            if item_problem(got, i):
+                os._exit(3)
+    if isinstance(ds, CacheDataset):
+        ds.release()
+    else:
+        ds.flush()
+
+
+def run_kill_trials(target, trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    incarnation = 0
+
+    def new_rank(r: int):
+        nonlocal incarnation
+        incarnation += 1
+        return start_rank(FORK, target.build, f"rank{r}", seed=seed * 1000 + incarnation, persistent=(r == 0))
+
+    ranks = [new_rank(0), new_rank(1)]
+    finished = []  # ranks killed whole: their counts
+    figures = {"trials": 0, "worker_kills": 0, "rank_kills": 0, "kills_mid_write": 0, "entries_checked": 0,
+               "entries_accepted": 0, "failures": 0, "progress_checks": 0}
+    problems: list[str] = []
+    t0 = time.monotonic()
+    try:
+        for rank in ranks:
+            assert rank.wait_epochs(1, PROGRESS_TIMEOUT), f"{rank.name} never completed an epoch: {rank.failures}"
+        while figures["trials"] < trials:
+            target.invalidate()
+            time.sleep(rng.uniform(0.0, 0.2))
+            r = rng.randrange(2)
+            rank = ranks[r]
+            rank.pump()
+            if rng.random() < 0.6:
+                if not rank.workers or not kill_child_of(rank.pid, rng.choice(rank.workers)):
+                    continue  # that worker had already exited (end of epoch): draw again
+                figures["worker_kills"] += 1
+            else:
+                rank.kill_group()
+                finished.append(rank)
+                ranks[r] = new_rank(r)
+                figures["rank_kills"] += 1
+            figures["trials"] += 1
+            figures["kills_mid_write"] += target.mid_write()
+            accepted, found = target.check()
+            figures["entries_checked"] += N_ITEMS
+            figures["entries_accepted"] += accepted
+            problems += [f"trial {figures['trials']}: {p}" for p in found]
+            for rank in ranks:
+                rank.pump()
+                problems += rank.failures
+            assert not problems, problems[:5]
+            if figures["trials"] % PROGRESS_EVERY == 0:  # nothing blocks: every rank completes another epoch
+                for rank in ranks:
+                    ok = rank.wait_epochs(rank.epochs + 1, PROGRESS_TIMEOUT)
+                    assert ok, f"{rank.name} made no progress after trial {figures['trials']}: {rank.failures}"
+                figures["progress_checks"] += 1
+        figures.update(target.state())
+        # The whole job dies: this process lets go of the cache first, so that nobody holds it when the
+        # ranks and their workers are killed together.
+        target.release()
+    finally:
+        for rank in ranks:
+            rank.stop()
+    every = finished + ranks
+    figures["items_checked_by_ranks"] = sum(r.checked for r in every)
+    figures["epochs_completed"] = sum(r.epochs for r in every)
+    figures["worker_deaths_seen"] = sum(r.worker_deaths for r in every)
+    figures["failures"] = len(problems) + sum(len(r.failures) for r in every)
+    figures["seconds"] = round(time.monotonic() - t0, 1)
+    return figures
+
+
+def run_final(factory, epochs: int = 2, timeout: float = 180.0) -> None:
+    p = FORK.Process(target=_final_run, args=(factory, epochs))
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        pytest.fail(f"the next run did not complete within {timeout} s")
+    assert p.exitcode == 0, f"the next run failed (exit code {p.exitcode})"
+
+
+def test_sigkill_workers_and_ranks_writing_shared_memory(shm_dir):
+    target = ShmTarget(shm_dir)
+    path = target.store.path
+    figures = run_kill_trials(target, TRIALS, SEED)
+    # Whole job killed: ranks and workers died, the cache stays behind with nobody holding its lease...
+    assert os.path.isdir(path), "the ranks were killed: their cache should still be there, stale"
+    assert [c["state"] for c in list_caches(shm_dir) if c["path"] == path] == ["stale"]
+    stale_bytes = tree_bytes(path)
+    # ...and the next process to join any cache on the machine reclaims it.
+    probe = SharedMemoryStore("probe", 1, shm_dir=shm_dir)
+    probe.release()
+    assert not os.path.exists(path), "stale shared memory of the killed processes was not reclaimed"
+    run_final(target.build)
+    leftovers = tree_files(cache_root(shm_dir, create=False))
+    leaked = tree_bytes(shm_dir)
+    assert leftovers == [".lock"] and leaked == 0, leftovers
+    record("kills/shm", store="shared memory", **figures, stale_bytes_reclaimed=stale_bytes, bytes_leaked=leaked)
+    assert figures["failures"] == 0
+    assert figures["worker_kills"] >= TRIALS // 4 and figures["rank_kills"] >= TRIALS // 5
+    assert figures["worker_deaths_seen"] >= 1
+
+
+def wait_reaped(pids: list[int], timeout: float = 30.0) -> None:
+    """Wait until the killed processes are gone from the process table: the workers of a killed rank are
+    orphans, reaped by init a moment later; until then a sweep takes them for alive (see the xfail test below)."""
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def temp_file_pids(directory: str) -> list[int]:
+    return [int(n.split(".")[3]) for n in os.listdir(directory) if n.endswith(".tmp") and n.split(".")[3].isdigit()]
+
+
+def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    target = DiskTarget(cache_dir)
+    figures = run_kill_trials(target, TRIALS, SEED + 1)
+    temp_left = sum(n.endswith(".tmp") for n in os.listdir(cache_dir))
+    wait_reaped(temp_file_pids(cache_dir))
+    run_final(target.build)  # a new PersistentDataset sweeps the killed writers' temporary files
+    names = os.listdir(cache_dir)
+    assert sorted(names) == sorted(os.path.basename(p) for p in target.paths), names
+    accepted, problems = target.check()
+    assert accepted == N_ITEMS and not problems, problems
+    record("kills/disk", store="disk", **figures, temp_files_left_by_kills=temp_left, temp_files_after_next_run=0,
+           bytes_leaked=0)
+    assert figures["failures"] == 0
+    assert figures["kills_mid_write"] >= 1, "no kill landed while a file was being written"
+    assert figures["worker_kills"] >= TRIALS // 4 and figures["rank_kills"] >= TRIALS // 5
+
+
+def _leave_a_temp_file(directory: str) -> None:
+    with open(os.path.join(directory, f".somekey.{disk._HOST_TAG}.{os.getpid()}.w0.tmp"), "wb") as f:
+        f.write(b"half an entry")
+    os._exit(0)  # as if killed mid-write; its parent has not reaped it yet
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="utils.py pid_alive (used by disk.sweep_temp_files): kill(pid, 0) succeeds for a zombie, so the "
+    "temporary file of a writer that died but was not reaped yet (a killed rank's orphaned workers before init "
+    "reaps them; for ever in a container whose PID 1 does not reap) is kept until it is an hour old",
+)
+def test_sweep_removes_the_temporary_file_of_a_dead_unreaped_writer(tmp_path):
+    pid = os.fork()
+    if pid == 0:
+        _leave_a_temp_file(str(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait until it is a zombie (dead, not reaped)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert disk.sweep_temp_files(str(tmp_path)) == 1
+    finally:
+        os.waitpid(pid, 0)
+
+
+# ------------------------------------------------------------- a kill inside a critical section
+def _die_holding(lock_acquire) -> None:
+    lock_acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_worker_killed_holding_the_shared_memory_counters_lock_blocks_nobody(shm_dir):
+    """The shared-memory store's counters are guarded by an OFD lock: the kernel drops it with its holder."""
+    store = SharedMemoryStore("counters", 2, shm_dir=shm_dir)
+    store[0] = make_item(0, 64)
+    lock = OFDLock(os.path.join(store.path, "stats"), 0)
+    p = FORK.Process(target=_die_holding, args=(lock.acquire,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert item_problem(store.get_or_compute(0, lambda: make_item(0, 64)), 0, 64) is None
+        store.get_or_compute(1, lambda: make_item(1, 64))
+    assert time.monotonic() - t0 < 1.0
+    store.release()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="disk.py _SharedCounters.add/first: a DataLoader worker SIGKILLed inside the counters' critical "
+    "section leaves the multiprocessing.Lock held forever; every later get()/put() of that family then waits "
+    "1 s for it (lock.acquire(timeout=1.0)) for the rest of training",
+)
+def test_worker_killed_holding_the_disk_counters_lock_blocks_nobody(tmp_path):
+    store = DiskStore(str(tmp_path), async_writes=False)
+    store.put("a", make_item(0, 64))
+    # the state a worker killed inside _SharedCounters.add leaves behind: the real lock, held by a dead process
+    p = FORK.Process(target=_die_holding, args=(store._shared._lock.acquire,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert item_problem(store.get("a"), 0, 64) is None
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.5, f"one read took {elapsed:.1f} s"

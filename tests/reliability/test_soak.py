@@ -1,0 +1,40 @@
+"""The soak run (benchmarks/soak.py) in its short form: 2 ranks x 2 DataLoader workers, a few epochs of tiny
+items through both caches; nothing may grow after the first epoch and nothing may be left behind.
+
+The CI form runs fork with persistent workers on and off, and spawn with persistent workers (spawn without
+persistent workers starts two fresh interpreters per rank per epoch, each importing torch and MONAI: that
+configuration is in the long form). ``MONAI_CACHE_SOAK_ARGS`` replaces the arguments, e.g. the long form::
+
+    MONAI_CACHE_SOAK_ARGS="--epochs 20 --items 64 --item-kb 1024" pytest tests/reliability/test_soak.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from ._harness import record
+
+SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "soak.py")
+SHORT = "--epochs 3 --items 16 --item-kb 16 --configs fork/on,fork/off,spawn/on"
+
+
+def test_soak_short_form(tmp_path):
+    out = str(tmp_path / "soak.json")
+    args = shlex.split(os.environ.get("MONAI_CACHE_SOAK_ARGS") or SHORT)
+    cmd = [sys.executable, SOAK, *args, "--private-shm", "--json", out, "--timeout", "3000"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, (r.stdout[-6000:], r.stderr[-6000:])
+    with open(out) as f:
+        summary = json.load(f)["summary"]
+    assert summary["ok"] and summary["failures"] == []
+    assert summary["items_checked"] > 0 and summary["wrong_items"] == 0
+    assert summary["shm_bytes_left"] == 0 and summary["temp_files_left"] == 0
+    assert summary["max_growth"]["fds"] <= 0 and summary["max_growth"]["threads"] <= 0
+    record("soak", **{k: summary[k] for k in (
+        "epochs", "items", "item_kb", "ranks", "workers", "configs", "private_shm", "items_checked", "wrong_items",
+        "max_growth", "shm_bytes_left", "shm_files_left", "new_in_dev_shm", "temp_files_left", "seconds")},
+        failures=len(summary["failures"]))
