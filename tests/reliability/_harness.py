@@ -116,6 +116,15 @@ def pid_parent(pid: int) -> int | None:
     return None
 
 
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited: no such process, or a zombie (dead, not yet reaped by its parent or init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
 def kill_child_of(parent: int, pid: int) -> bool:
     """SIGKILL ``pid`` if (and only if) it is still a child of ``parent``, a process this test started.
 

@@ -31,14 +31,15 @@ from monai_cache import codec, disk
 from monai_cache.dataset import CacheDataset
 from monai_cache.disk import DiskStore, read_entry
 from monai_cache.persistent import PersistentDataset
-from monai_cache.shm import SharedMemoryStore, cache_root, list_caches
-from monai_cache.utils import OFDLock, pid_alive
+from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
+from monai_cache.utils import OFDLock
 
 from ._harness import (
     MakeItem,
-    data_list,
     env_int,
+    gone,
     item_problem,
+    item_size,
     kill_child_of,
     make_item,
     record,
@@ -59,26 +60,36 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 # ----------------------------------------------------------------------------------------- targets
 class ShmTarget:
-    """CacheDataset(runtime_cache=True) in a shared-memory directory; the test process holds a reader."""
+    """CacheDataset(runtime_cache=True) in a shared-memory directory; the test process holds a reader.
+
+    Every fourth item is 1.2 MB (a file of its own), the others 16 KiB (packed into segments)."""
 
     name = "shm"
+    sizes = {i: item_size(i) for i in range(N_ITEMS)}
 
     def __init__(self, shm_dir: str) -> None:
         self.shm_dir = shm_dir
+        self.seen: set[str] = set()
         self.reader = self.build()
         self.store: SharedMemoryStore = self.reader._cache  # type: ignore[assignment]
         self.verifier = SharedMemoryStore(self.store.key, N_ITEMS, shm_dir=shm_dir, verify=True)
 
     def build(self) -> CacheDataset:
-        return CacheDataset(data_list(N_ITEMS), MakeItem(), runtime_cache=True, cache_key="reliability-kills",
+        return CacheDataset(sized_data(self.sizes), MakeItem(), runtime_cache=True, cache_key="reliability-kills",
                             progress=False, shm_dir=self.shm_dir)
 
     def invalidate(self) -> None:
         self.store.clear()
 
+    def dead_temp_files(self) -> set[str]:
+        """Large entries that killed processes left half written (``.tmp.<pid>.<tid>.<n>``)."""
+        return {n for n in os.listdir(self.store.path) if n.startswith(".tmp.") and gone(int(n.split(".")[2]))}
+
     def mid_write(self) -> bool:
-        """Whether a killed process left a large entry half written (``.tmp.<pid>.<tid>.<n>``)."""
-        return any(n.startswith(".tmp.") and not pid_alive(int(n.split(".")[2])) for n in os.listdir(self.store.path))
+        """Whether this kill left a large entry half written."""
+        new = self.dead_temp_files() - self.seen
+        self.seen |= new
+        return bool(new)
 
     def check(self) -> tuple[int, list[str]]:
         """(entries accepted, problems): every entry the default reader accepts must be exactly right, and
@@ -89,7 +100,7 @@ class ShmTarget:
             if got is None:
                 continue
             accepted += 1
-            problem = item_problem(got, i)
+            problem = item_problem(got, i, self.sizes[i])
             if problem:
                 problems.append(problem)
             if self.verifier[i] is None:  # only this process clears entries: None means it failed the check
@@ -103,8 +114,12 @@ class ShmTarget:
         """What the kills left in the live cache: bytes the counters account for, bytes actually allocated
         (segments of killed writers stay until the cache is removed), segment files."""
         names = os.listdir(self.store.path)
+        dead = self.dead_temp_files()
         return {"accounted_bytes": self.store.stats()["machine"]["bytes"],
-                "allocated_bytes": tree_bytes(self.store.path), "segments": sum(n.startswith("s.") for n in names)}
+                "allocated_bytes": tree_bytes(self.store.path), "segments": sum(n.startswith("s.") for n in names),
+                "dead_temp_files_in_live_cache": len(dead),
+                "dead_temp_bytes_in_live_cache": sum(os.stat(os.path.join(self.store.path, n)).st_blocks * 512
+                                                     for n in dead)}
 
     def release(self) -> None:
         self.verifier.release()
@@ -112,17 +127,22 @@ class ShmTarget:
 
 
 class DiskTarget:
-    """PersistentDataset (asynchronous writes) in a cache directory; the test process reads the files."""
+    """PersistentDataset (asynchronous writes) in a cache directory; the test process reads the files.
+
+    Every fourth item is 8 MB (so that files take a while to write, and kills land during writes), the others
+    16 KiB."""
 
     name = "disk"
+    sizes = {i: 2_000_000 if i % 4 == 0 else 4096 for i in range(N_ITEMS)}
 
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir = cache_dir
+        self.seen: set[str] = set()
         self.reader = self.build()
         self.paths = [str(self.reader.entry_path(i)) for i in range(N_ITEMS)]
 
     def build(self) -> PersistentDataset:
-        return PersistentDataset(data_list(N_ITEMS), MakeItem(), cache_dir=self.cache_dir)
+        return PersistentDataset(sized_data(self.sizes), MakeItem(), cache_dir=self.cache_dir)
 
     def invalidate(self) -> None:
         for p in self.paths:
@@ -130,11 +150,13 @@ class DiskTarget:
                 os.unlink(p)
 
     def mid_write(self) -> bool:
-        """Whether a killed process left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``)."""
-        return any(
-            n.endswith(".tmp") and n.split(".")[3].isdigit() and not pid_alive(int(n.split(".")[3]))
-            for n in os.listdir(self.cache_dir)
-        )
+        """Whether this kill left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``)."""
+        new = {
+            n for n in os.listdir(self.cache_dir)
+            if n.endswith(".tmp") and n.split(".")[3].isdigit() and gone(int(n.split(".")[3]))
+        } - self.seen
+        self.seen |= new
+        return bool(new)
 
     def check(self) -> tuple[int, list[str]]:
         accepted, problems = 0, []
@@ -147,7 +169,7 @@ class DiskTarget:
                 problems.append(f"entry {i}: corrupt file under its final name ({e})")
                 continue
             accepted += 1
-            problem = item_problem(got, i)
+            problem = item_problem(got, i, self.sizes[i])
             if problem:
                 problems.append(problem)
         return accepted, problems
@@ -160,7 +182,11 @@ class DiskTarget:
 
 
 # ------------------------------------------------------------------------------------------ trials
-def _final_run(target_factory, epochs: int) -> None:
+def sized_data(sizes: dict[int, int]) -> list[dict]:
+    return [{"i": i, "n": n} for i, n in sorted(sizes.items())]
+
+
+def _final_run(target_factory, sizes: dict[int, int], epochs: int) -> None:
     """A next run after the crash: a fresh process, two workers, ``epochs`` complete epochs, exits normally."""
     from monai.data import DataLoader
 
@@ -171,7 +197,7 @@ def _final_run(target_factory, epochs: int) -> None:
             i = int(batch["i"][0])
             got = {"i": i, "image": batch["image"][0], "name": batch["name"][0],
                    "spacing": [float(s[0]) for s in batch["spacing"]]}
-            if item_problem(got, i):
+            if item_problem(got, i, sizes[i]):
                 os._exit(3)
     if isinstance(ds, CacheDataset):
         ds.release()
@@ -186,7 +212,8 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
     def new_rank(r: int):
         nonlocal incarnation
         incarnation += 1
-        return start_rank(FORK, target.build, f"rank{r}", seed=seed * 1000 + incarnation, persistent=(r == 0))
+        return start_rank(FORK, target.build, f"rank{r}", seed=seed * 1000 + incarnation, persistent=(r == 0),
+                          sizes=target.sizes)
 
     ranks = [new_rank(0), new_rank(1)]
     finished = []  # ranks killed whole: their counts
@@ -199,21 +226,24 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
             assert rank.wait_epochs(1, PROGRESS_TIMEOUT), f"{rank.name} never completed an epoch: {rank.failures}"
         while figures["trials"] < trials:
             target.invalidate()
-            time.sleep(rng.uniform(0.0, 0.2))
+            # writes start as soon as the workers miss: half the kills come within 30 ms, the others within 200
+            time.sleep(rng.uniform(0.0, 0.03) if rng.random() < 0.5 else rng.uniform(0.0, 0.2))
             r = rng.randrange(2)
             rank = ranks[r]
             rank.pump()
-            if rng.random() < 0.6:
+            whole_rank = rng.random() >= 0.6
+            if not whole_rank:
                 if not rank.workers or not kill_child_of(rank.pid, rng.choice(rank.workers)):
                     continue  # that worker had already exited (end of epoch): draw again
                 figures["worker_kills"] += 1
             else:
                 rank.kill_group()
                 finished.append(rank)
-                ranks[r] = new_rank(r)
                 figures["rank_kills"] += 1
+            figures["kills_mid_write"] += target.mid_write()  # (before a new rank sweeps the leftovers)
+            if whole_rank:
+                ranks[r] = new_rank(r)
             figures["trials"] += 1
-            figures["kills_mid_write"] += target.mid_write()
             accepted, found = target.check()
             figures["entries_checked"] += N_ITEMS
             figures["entries_accepted"] += accepted
@@ -243,8 +273,8 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
     return figures
 
 
-def run_final(factory, epochs: int = 2, timeout: float = 180.0) -> None:
-    p = FORK.Process(target=_final_run, args=(factory, epochs))
+def run_final(target, epochs: int = 2, timeout: float = 180.0) -> None:
+    p = FORK.Process(target=_final_run, args=(target.build, target.sizes, epochs))
     p.start()
     p.join(timeout)
     if p.is_alive():
@@ -266,7 +296,7 @@ def test_sigkill_workers_and_ranks_writing_shared_memory(shm_dir):
     probe = SharedMemoryStore("probe", 1, shm_dir=shm_dir)
     probe.release()
     assert not os.path.exists(path), "stale shared memory of the killed processes was not reclaimed"
-    run_final(target.build)
+    run_final(target)
     leftovers = tree_files(cache_root(shm_dir, create=False))
     leaked = tree_bytes(shm_dir)
     assert leftovers == [".lock"] and leaked == 0, leftovers
@@ -294,7 +324,7 @@ def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
     figures = run_kill_trials(target, TRIALS, SEED + 1)
     temp_left = sum(n.endswith(".tmp") for n in os.listdir(cache_dir))
     wait_reaped(temp_file_pids(cache_dir))
-    run_final(target.build)  # a new PersistentDataset sweeps the killed writers' temporary files
+    run_final(target)  # a new PersistentDataset sweeps the killed writers' temporary files
     names = os.listdir(cache_dir)
     assert sorted(names) == sorted(os.path.basename(p) for p in target.paths), names
     accepted, problems = target.check()
@@ -332,6 +362,47 @@ def test_sweep_removes_the_temporary_file_of_a_dead_unreaped_writer(tmp_path):
         assert disk.sweep_temp_files(str(tmp_path)) == 1
     finally:
         os.waitpid(pid, 0)
+
+
+def _write_big_entries_forever(shm_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = SharedMemoryStore("kept", 1, shm_dir=shm_dir, keep_warm=True)
+    big = {"x": torch.zeros(12_500_000)}  # 50 MB: a file of its own, written for some milliseconds
+    while True:
+        store.clear()
+        store[0] = big
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="shm.py: the partial entry file (.tmp.<pid>.<tid>.<n>, up to the entry's size) of a writer killed while "
+    "writing a large entry is never removed while the cache lives, and a keep_warm=True cache keeps it for good: "
+    "joining a kept cache does not sweep dead writers' temporary files (_dead_tmp_files exists but is not used)",
+)
+def test_partial_entry_of_a_killed_writer_is_reclaimed_when_a_kept_cache_is_joined(shm_dir):
+    path = os.path.join(cache_root(shm_dir), "kept")
+    left = []
+    for _ in range(20):  # kill the writer while a large entry is being written
+        p = FORK.Process(target=_write_big_entries_forever, args=(shm_dir,))
+        p.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.isdir(path) and any(n.startswith(f".tmp.{p.pid}.") for n in os.listdir(path)):
+                break
+            time.sleep(0.0005)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        left = [n for n in os.listdir(path) if n.startswith(f".tmp.{p.pid}.")]
+        if left:
+            break
+    assert left, "no kill landed during a write"
+    store = SharedMemoryStore("kept", 1, shm_dir=shm_dir, keep_warm=True)  # the next run joins the kept cache
+    try:
+        remaining = [n for n in os.listdir(path) if n.startswith(".tmp.")]
+        assert remaining == [], f"partial entries of killed writers left in shared memory: {remaining}"
+    finally:
+        store.release()
+        remove_cache("kept", shm_dir, force=True)
 
 
 # ------------------------------------------------------------- a kill inside a critical section
