@@ -447,14 +447,21 @@ def _writer_forever(directory: str, start: int) -> None:
 def test_sigkill_at_random_moments_never_leaves_a_readable_partial_file(tmp_path):
     rng = random.Random(1234)
     start = 0
-    leftovers = 0
-    for _ in range(8):
+    kills = leftovers = 0
+    # At least 8 kills, and go on (up to 40) until some kill has landed inside a write: on a loaded
+    # machine a kill can keep landing between writes, and then the test would prove nothing.
+    while kills < 8 or (leftovers == 0 and kills < 40):
+        before = len(os.listdir(tmp_path))
         p = FORK.Process(target=_writer_forever, args=(str(tmp_path), start))
         p.start()
-        time.sleep(rng.uniform(0.05, 0.4))
+        deadline = time.monotonic() + 30
+        while len(os.listdir(tmp_path)) == before and time.monotonic() < deadline:
+            time.sleep(0.005)  # wait until this writer is writing, however slow its start
+        time.sleep(rng.uniform(0.0, 0.3))
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert p.exitcode == -signal.SIGKILL
+        kills += 1
         leftovers += sum(1 for n in os.listdir(tmp_path) if n.endswith(".tmp"))
         start += 1000
     entries = [n for n in os.listdir(tmp_path) if n.endswith(".mcache")]
