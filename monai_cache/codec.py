@@ -98,6 +98,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     if dt is not None
 }
 _TORCH_DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+STORABLE_DTYPES = frozenset(_TORCH_DTYPES.values())  # tensor dtypes an entry can hold
 # numpy kinds we store raw: booleans, integers, floats, complex (no objects, strings or structured types).
 _NUMPY_KINDS = frozenset("biufc")
 

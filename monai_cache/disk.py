@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import fcntl
 import hashlib
 import itertools
 import mmap
@@ -190,19 +191,24 @@ def read_header(head: bytes | bytearray | memoryview, key: str | None = None, fi
 class _Sink:
     """Sequential writes to a file descriptor, with a running CRC-32 and byte count (a zstd stream target)."""
 
-    __slots__ = ("crc", "fd", "n")
+    __slots__ = ("crc", "error", "fd", "n")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.crc = 0
         self.n = 0
+        self.error: OSError | None = None  # kept because zstd replaces it with an error of its own
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = view.nbytes
         self.crc = zlib.crc32(view, self.crc)
         while view.nbytes:
-            n = os.write(self.fd, view[:_IO_CHUNK])
+            try:
+                n = os.write(self.fd, view[:_IO_CHUNK])
+            except OSError as e:
+                self.error = e
+                raise
             view = view[n:]
         self.n += total
         return total
@@ -253,9 +259,14 @@ def write_entry(fd: int, key: str, enc: codec.Encoded, level: int | None = 1, th
     else:
         if zstd is None:  # pragma: no cover
             raise RuntimeError("compression needs the 'zstandard' package: pip install zstandard")
-        with _compressor(level, threads).stream_writer(sink, size=enc.nbytes, closefd=False) as writer:
-            for chunk in enc.chunks():
-                writer.write(chunk)
+        try:
+            with _compressor(level, threads).stream_writer(sink, size=enc.nbytes, closefd=False) as writer:
+                for chunk in enc.chunks():
+                    writer.write(chunk)
+        except Exception:
+            if sink.error is not None:  # e.g. ENOSPC, which zstd reports as "Src size is incorrect"
+                raise sink.error from None
+            raise
         flags = FLAG_ZSTD
     head = _pack_header(flags, enc.nbytes, sink.n, sink.crc, key)
     if os.pwrite(fd, head, 0) != HEADER_SIZE:  # pragma: no cover - a 64-byte pwrite is not split
@@ -495,14 +506,19 @@ WARNED_IO = 8
 class _SharedCounters:
     """Counters in an anonymous shared mapping: shared with forked children (DataLoader workers).
 
+    They are guarded by a POSIX record lock on a memory file (taken per process, dropped by the kernel when
+    its holder dies: a worker killed while counting blocks nobody) and a thread lock (taken per thread).
     A pickled copy (spawned worker, ``deepcopy``) starts its own counters.
     """
 
-    __slots__ = ("_lock", "_map")
+    __slots__ = ("__weakref__", "_fd", "_map", "_pid", "_thread_lock")
 
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, 8 * (len(_FIELDS) + 1))  # MAP_SHARED | MAP_ANONYMOUS
-        self._lock = multiprocessing.Lock()
+        self._fd = os.memfd_create("monai_cache-counters", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self._fd)
+        self._thread_lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict:
         return {}
@@ -510,29 +526,32 @@ class _SharedCounters:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self._pid != os.getpid():  # forked: a thread of the parent may have held the thread lock
+            self._thread_lock, self._pid = threading.Lock(), os.getpid()
+        with self._thread_lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
     def add(self, deltas: Mapping[str, int]) -> None:
-        if not self._lock.acquire(timeout=1.0):  # a process killed while holding it: skip, never hang
-            return
-        try:
+        with self._locked():
             for name, d in deltas.items():
                 off = 8 * _INDEX[name]
                 _Q.pack_into(self._map, off, _Q.unpack_from(self._map, off)[0] + d)
-        finally:
-            self._lock.release()
 
     def first(self, flag: int) -> bool:
         """Set ``flag``; True for the one process (of this family) that set it first."""
-        if not self._lock.acquire(timeout=1.0):
-            return True
-        try:
+        with self._locked():
             off = 8 * _FLAGS_SLOT
             flags = _Q.unpack_from(self._map, off)[0]
             if flags & flag:
                 return False
             _Q.pack_into(self._map, off, flags | flag)
             return True
-        finally:
-            self._lock.release()
 
     def snapshot(self) -> dict[str, int]:
         return {name: _Q.unpack_from(self._map, 8 * i)[0] for i, name in enumerate(_FIELDS)}

@@ -39,11 +39,13 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
 def _as_dtype(value: Any, key: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    dt = getattr(torch, str(value).replace("torch.", ""), None)
+    dt = value if isinstance(value, torch.dtype) else getattr(torch, str(value).replace("torch.", ""), None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"lossy_dtypes[{key!r}] must be a torch dtype such as torch.float16, got {value!r}")
+    if dt not in codec.STORABLE_DTYPES:
+        # float8 and quantized dtypes would pass here and fail on the first item, deep in the writer
+        names = ", ".join(sorted(map(str, codec.STORABLE_DTYPES)))
+        raise ValueError(f"lossy_dtypes[{key!r}] = {dt} cannot be stored in the cache; use one of: {names}")
     return dt
 
 

@@ -67,14 +67,15 @@ _CORRUPT = object()
 PACK_LIMIT = 1 << 20
 SEGMENT_SIZE = 64 << 20
 _STANDALONE = 0xFFFFFFFF
-_SLOT = struct.Struct("<IIII")
+# segment, tag (CRC-32 of the entry's size, checksums and number), byte offset, length, reserved, CRC-32 of the slot
+_SLOT = struct.Struct("<IIQQII")
 _EMPTY_SLOT = bytes(_SLOT.size)
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
 # Shared counters in the stats file: name -> byte offset (u64 each).
 _STAT_FIELDS = ("bytes", "entries", "hits", "misses", "skipped", "flags", "corrupt", "segments")
 _STAT_OFFSET = {name: 8 + 8 * i for i, name in enumerate(_STAT_FIELDS)}
-_STATS_MAGIC = 0x4D43535431  # "MCST1"
+_STATS_MAGIC = 0x4D43535432  # "MCST2": the layout of this version (32-byte index slots)
 _STATS_SIZE = 4096
 _FLAG_WARNED_FULL = 1
 _U64 = struct.Struct("<Q")
@@ -119,6 +120,9 @@ def cache_root(shm_dir: str | None = None, create: bool = True) -> str:
     return root
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
+
+
 class _Stats:
     """Counters shared by every process of one cache (a small MAP_SHARED file)."""
 
@@ -128,9 +132,20 @@ class _Stats:
         self._path = path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(fd).st_size < _STATS_SIZE:
-                os.ftruncate(fd, _STATS_SIZE)
-            self._map = mmap.mmap(fd, _STATS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                if os.fstat(fd).st_size < _STATS_SIZE:
+                    # Allocate the page now: a sparse one would raise SIGBUS at its first write on a full tmpfs.
+                    _fallocate(fd, 0, _STATS_SIZE)
+                    if os.fstat(fd).st_size < _STATS_SIZE:  # (file systems without fallocate)
+                        os.ftruncate(fd, _STATS_SIZE)
+                self._map = mmap.mmap(fd, _STATS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:
+                if e.errno not in _NO_SPACE:
+                    raise
+                # Shared memory is full before anything is cached: count in private memory; the first
+                # write will fail for the same reason and warn once that items are served uncached.
+                self._map = mmap.mmap(-1, _STATS_SIZE)
+                _U64.pack_into(self._map, 0, _STATS_MAGIC)
         finally:
             os.close(fd)
         self._pid = -1
@@ -249,10 +264,12 @@ def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
     removed = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
+        if not _owned_directory(path):
+            continue  # not ours (planted by another user, or not a directory): never removed
         if name.startswith(".trash."):
             shutil.rmtree(path, ignore_errors=True)
             continue
-        if name.startswith(".") or path == skip or not os.path.isdir(path):
+        if name.startswith(".") or path == skip:
             continue
         if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
             continue  # kept on purpose, or not one of our caches
@@ -279,6 +296,7 @@ class _Directory:
         self.lease_fd = -1
         self._join(keep)
         self.stats = _Stats(os.path.join(self.path, "stats"))
+        self._sweep_dead_writers()
         self.locks_path = os.path.join(self.path, "locks")
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         self.index_fd = os.open(os.path.join(self.path, "index"), flags, 0o600)
@@ -288,18 +306,21 @@ class _Directory:
         self.write_pos = 0
 
     # -- the index --
-    def read_slot(self, i: int) -> tuple[int, int, int] | object | None:
-        """``(segment, offset, length)`` of entry ``i``, ``None`` if empty, ``_CORRUPT`` if damaged."""
+    def read_slot(self, i: int) -> tuple[int, int, int, int] | object | None:
+        """``(segment, offset, length, tag)`` of entry ``i``, ``None`` if empty, ``_CORRUPT`` if damaged.
+
+        The slot's CRC binds it to ``i``; ``tag`` binds it to the blob it points at (see :func:`blob_tag`).
+        """
         raw = os.pread(self.index_fd, _SLOT.size, _SLOT.size * i)
         if len(raw) < _SLOT.size or raw == _EMPTY_SLOT:
             return None
-        seg, off64, length, check = _SLOT.unpack(raw)
-        if check != zlib.crc32(raw[:12] + i.to_bytes(8, "little")):
+        seg, tag, offset, length, _reserved, check = _SLOT.unpack(raw)
+        if check != zlib.crc32(raw[: _SLOT.size - 4] + i.to_bytes(8, "little")):
             return _CORRUPT
-        return seg, off64 * 64, length
+        return seg, offset, length, tag
 
-    def write_slot(self, i: int, seg: int, offset: int, length: int) -> None:
-        head = struct.pack("<III", seg, offset // 64, length)
+    def write_slot(self, i: int, seg: int, offset: int, length: int, tag: int) -> None:
+        head = _SLOT.pack(seg, tag, offset, length, 0, 0)[:-4]
         os.pwrite(self.index_fd, head + struct.pack("<I", zlib.crc32(head + i.to_bytes(8, "little"))), _SLOT.size * i)
 
     def clear_slot(self, i: int) -> None:
@@ -362,10 +383,19 @@ class _Directory:
                     "Remove it, or choose another shm_dir."
                 )
             lease_path = os.path.join(self.path, "lease")
+            stats_path = os.path.join(self.path, "stats")
             fd = _try_exclusive(lease_path)
+            magic = None if fresh else _stats_magic(stats_path)
+            other_layout = magic not in (None, 0, _STATS_MAGIC)  # kept by an earlier version of monai_cache
+            if other_layout and fd is None:
+                raise RuntimeError(
+                    f"the shared-memory cache {self.path} is in use by another version of monai_cache; "
+                    "use the same version in every process, or another cache_key / shm_dir"
+                )
             wiped = False
-            if fd is not None and not fresh and not os.path.exists(os.path.join(self.path, "keep")):
-                # Nobody holds a lease: left over by processes that crashed. Start it afresh.
+            if fd is not None and not fresh and (other_layout or not os.path.exists(os.path.join(self.path, "keep"))):
+                # Nobody holds a lease: left over by processes that crashed (or kept by an earlier version,
+                # whose entries this version cannot read). Start it afresh.
                 for name in os.listdir(self.path):
                     if name != "lease":
                         _unlink_quiet(os.path.join(self.path, name))
@@ -376,9 +406,25 @@ class _Directory:
             self.lease_fd = fd
             if keep:
                 _touch_private(os.path.join(self.path, "keep"))
-            stats_path = os.path.join(self.path, "stats")
             if fresh or wiped or _stats_magic(stats_path) != _STATS_MAGIC:
                 _Stats(stats_path).reset()
+
+    def _sweep_dead_writers(self) -> None:
+        """Remove the partial entries of writers killed while writing: they hold shared memory and budget.
+
+        Each joining process sweeps, so a live cache (a restarted worker or rank) and a kept one (the next
+        run) both get them back. A temporary file names its writer's pid; a live writer's is never touched.
+        """
+        freed = 0
+        for path in _dead_tmp_files(self.path):
+            try:
+                size = os.lstat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:  # another process swept it first, and returned its bytes
+                continue
+            freed += size  # the size reserved for it: the file is fallocated to it before writing
+        if freed:
+            self.stats.add(bytes=-freed)
 
     def leave(self) -> bool:
         """Drop this process's lease; remove the cache if nobody else holds one. True if removed."""
@@ -620,9 +666,9 @@ class SharedMemoryStore:
         slot = self._dir.read_slot(self._check_index(index))
         return slot is not None and slot is not _CORRUPT
 
-    def _map(self, i: int, slot: tuple[int, int, int]) -> memoryview | None:
+    def _map(self, i: int, slot: tuple[int, int, int, int]) -> memoryview | None:
         """Map entry ``i`` copy-on-write (zero-copy; writes land in private pages); None if its file is gone."""
-        seg, offset, length = slot
+        seg, offset, length, _tag = slot
         if seg == _STANDALONE:
             try:
                 fd = os.open(self._entry_path(i), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -641,6 +687,8 @@ class SharedMemoryStore:
             return None
         # A packed entry (< 1 MiB) is read into a private buffer: cheaper than map + fault + unmap, and it
         # holds no descriptor or mapping per live item (Python < 3.13 keeps a dup'ed fd for every mmap).
+        if not 0 < length < PACK_LIMIT:
+            return memoryview(b"")  # no packed entry is this size: a damaged slot, rejected by the decoder
         buf = bytearray(length)
         got = os.preadv(fd, [buf], offset)
         return memoryview(buf) if got == length else memoryview(b"")  # short: past the segment's end
@@ -654,6 +702,9 @@ class SharedMemoryStore:
             return _MISSING
         view = self._map(i, slot)  # type: ignore[arg-type]
         if view is None:
+            return _MISSING
+        if blob_tag(view, i) != slot[3]:  # type: ignore[index]
+            self._discard_corrupt(i, slot, "its index slot points at data that is not this entry's")
             return _MISSING
         from monai_cache import codec
 
@@ -706,11 +757,11 @@ class SharedMemoryStore:
                 seg, offset = _STANDALONE, 0
                 self._write_standalone(i, enc)
             # Publish: the data is complete before the slot that points to it is written.
-            self._dir.write_slot(i, seg, offset, size)
+            self._dir.write_slot(i, seg, offset, size, blob_tag(enc.prefix(), i))
         except OSError as e:
             self._dir.stats.add(bytes=-size)
             self._proc_stats["skipped"] += 1
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+            if e.errno in _NO_SPACE:
                 self._warn_full(size, str(e))
             elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
                 warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached")
@@ -918,8 +969,10 @@ def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> b
     """Remove one cache: stale or kept ones always, live ones only with ``force``. True if removed."""
     root = cache_root(shm_dir, create=False)
     path = os.path.join(root, key)
-    if "/" in key or key.startswith(".") or not os.path.exists(os.path.join(path, "stats")):
-        return False  # not one of our caches
+    if "/" in key or key.startswith(".") or not _owned_directory(path):
+        return False  # not a cache of ours
+    if not os.path.exists(os.path.join(path, "stats")):
+        return False
     with _RootLock(root):
         lease = os.path.join(path, "lease")
         fd = _try_exclusive(lease, create=False)
@@ -933,7 +986,22 @@ def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> b
     return True
 
 
-def _dead_tmp_files(path: str) -> Iterator[str]:  # pragma: no cover - helper for sweeps
+def blob_tag(blob: memoryview | bytes, i: int) -> int:
+    """CRC-32 of a codec blob's size, header CRC and data CRC (prefix bytes 24-40) and of the entry number:
+    binds entry ``i``'s slot to its blob (a slot copied from another entry, or pointing elsewhere, fails)."""
+    return zlib.crc32(i.to_bytes(8, "little"), zlib.crc32(blob[24:40])) if len(blob) >= 40 else -1
+
+
+def _owned_directory(path: str) -> bool:
+    """Whether ``path`` is a real directory (not a link) owned by this user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _dead_tmp_files(path: str) -> Iterator[str]:
     for name in os.listdir(path):
         if name.startswith(_TMP_PREFIX):
             parts = name[len(_TMP_PREFIX) :].split(".")

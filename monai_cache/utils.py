@@ -54,13 +54,23 @@ def warn(message: str, stacklevel: int = 3) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass  # alive, another user's
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # gone since kill(), unless there is no /proc to ask
+    except OSError:
         return True
-    return True
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so the state follows the last ")"
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
 
 
 # struct flock on Linux (x86-64 and aarch64): short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid.

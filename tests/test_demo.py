@@ -49,7 +49,9 @@ def test_demo_two_ranks(tmp_path, capsys):
     assert mo["reads"] == reads and mo["hits"] == reads
     for r in (mc, mo):
         assert r["mem_samples"] >= 1 and r["mem_peak"] >= r["mem_mean"] > 50 << 20  # several Python processes
-        assert r["mem_processes_max"] == RANKS * 2  # each rank and its DataLoader worker
+        # the ranks and, when a sample fell while they lived, their DataLoader workers (tiny epochs can fall
+        # between two samples on a fast machine)
+        assert RANKS <= r["mem_processes_max"] <= RANKS * 2
         assert 0 < r["ttfb_s"] <= r["train_s"] and len(r["epoch_s"]) == EPOCHS
         assert r["one_copy_bytes"] > 0 and r["sampler"] == "DistributedSampler"
     # the same items: monai_cache's entries hold the tensors plus a small header (a few KiB per item)

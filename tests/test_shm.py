@@ -260,7 +260,7 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
 
 def entry_location(store: SharedMemoryStore, i: int) -> tuple[str, int, int]:
     """(file, offset, length) of entry i: a packed segment, or a file of its own."""
-    seg, offset, length = store._dir.read_slot(i)
+    seg, offset, length, _tag = store._dir.read_slot(i)
     if seg == 0xFFFFFFFF:
         return os.path.join(store.path, f"{i}.e"), 0, length
     return os.path.join(store.path, f"s.{seg}"), offset, length

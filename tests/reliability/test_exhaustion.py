@@ -100,7 +100,7 @@ def shm_layout_problems(store: SharedMemoryStore, n: int) -> tuple[int, int, lis
             if f"{i}.e" in names:
                 problems.append(f"{i}.e has no index slot (an orphaned entry file)")
             continue
-        seg, offset, length = slot
+        seg, offset, length, _tag = slot
         if seg != _STANDALONE:
             pages.setdefault(seg, set()).update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
         entries += 1
@@ -158,12 +158,6 @@ def _join_full(shm: str, log: str) -> None:
                                 progress=False, shm_dir=shm), 1, dict.fromkeys(range(4), 1000), log)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py _Stats.__init__/reset: the 4 KiB stats file is ftruncate'd (sparse) and written through a "
-    "MAP_SHARED mapping; when the tmpfs is already full, the first write to that page raises SIGBUS and kills the "
-    "process (no ENOSPC, no warning). posix_fallocate the stats file before mapping it.",
-)
 def test_shared_memory_already_full_when_a_dataset_is_built(tmp_path):
     """/dev/shm already full (another job) when a rank builds its dataset: it must train uncached, not die."""
     with tmpfs(str(tmp_path / "shm"), "size=1m") as shm:
@@ -237,13 +231,6 @@ def test_disk_fills_up_mid_epoch(tmp_path):
                warnings=len(msgs), partial_files=0, failures=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="disk.py write_entry: an ENOSPC raised by _Sink.write inside zstd's stream_writer is replaced by "
-    "ZstdError('Src size is incorrect') raised from the writer's __exit__; DiskStore.write only handles OSError, "
-    "so a full disk crashes put() with async_writes=False (PersistentDataset.__getitem__ raises) and gives an "
-    "'unexpected error' warning per item (writes not disabled) with async writes",
-)
 def test_disk_full_while_compressing_is_reported_as_disk_full(tmp_path):
     outcomes = []
     with tmpfs(str(tmp_path / "disk"), "size=3m") as mnt:

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ from monai_cache.codec import CorruptEntryError, decode, encode
 from monai_cache.dataset import CacheDataset
 from monai_cache.disk import MISSING, DiskStore, read_entry
 from monai_cache.persistent import PersistentDataset
-from monai_cache.shm import SharedMemoryStore
+from monai_cache.shm import SharedMemoryStore, blob_tag
 
 from ._fuzzing import (
     Payload,
@@ -325,7 +326,7 @@ def test_shared_memory_reader_recomputes_any_undecodable_entry(shm_dir):
     """(Found by this suite: such an entry crashed the reader; fixed in 0a94e99.)"""
     store = SharedMemoryStore("crafted", 1, shm_dir=shm_dir)
     blob = blob_of({"~": "c", "r": [1], "i": 0})
-    plant_slot(store.path, 0, plant_segment(store.path, blob), 0, len(blob))
+    plant_slot(store.path, 0, plant_segment(store.path, blob), 0, len(blob), blob_tag(blob, 0))
     try:
         assert store[0] is None
         assert item_problem(store.get_or_compute(0, lambda: make_item(0, 64)), 0, 64) is None
@@ -353,14 +354,15 @@ def test_atheris_bounded_run(tmp_path):
 
 
 # ------------------------------------------------------------------------ shared-memory index slots
-def plant_slot(cache: str, i: int, seg: int, offset: int, length: int) -> None:
-    """Write index slot ``i`` of the cache directory ``cache`` as docs/shared-memory.md lays it out: segment,
-    offset / 64, length (u32 each), then the CRC-32 of those 12 bytes followed by the entry number (u64)."""
-    head = seg.to_bytes(4, "little") + (offset // 64).to_bytes(4, "little") + length.to_bytes(4, "little")
+def plant_slot(cache: str, i: int, seg: int, offset: int, length: int, tag: int) -> None:
+    """Write index slot ``i`` of the cache directory ``cache`` as docs/shared-memory.md lays it out (32 bytes):
+    segment and tag (u32), offset and length (u64), 4 reserved bytes, then the CRC-32 of those 28 bytes
+    followed by the entry number (u64)."""
+    head = struct.pack("<IIQQI", seg, tag, offset, length, 0)
     check = zlib.crc32(head + i.to_bytes(8, "little"))
     fd = os.open(os.path.join(cache, "index"), os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        os.pwrite(fd, head + check.to_bytes(4, "little"), 16 * i)
+        os.pwrite(fd, head + check.to_bytes(4, "little"), SLOT * i)
     finally:
         os.close(fd)
 
@@ -371,14 +373,16 @@ def plant_segment(cache: str, content: bytes, seg: int = 9999) -> int:
     return seg
 
 
-def read_slot_raw(cache: str, i: int) -> tuple[int, int, int]:
+def read_slot_raw(cache: str, i: int) -> tuple[int, int, int, int]:
+    """``(segment, offset, length, tag)`` of slot ``i``."""
     with open(os.path.join(cache, "index"), "rb") as f:
-        f.seek(16 * i)
-        raw = f.read(16)
-    seg, off64, length = (int.from_bytes(raw[k : k + 4], "little") for k in (0, 4, 8))
-    return seg, off64 * 64, length
+        f.seek(SLOT * i)
+        raw = f.read(SLOT)
+    seg, tag, offset, length, _ = struct.unpack_from("<IIQQI", raw)
+    return seg, offset, length, tag
 
 
+SLOT = 32  # bytes per index slot
 SLOT_SIZES = {i: 1024 + 100 * i for i in range(5)} | {5: 300_005}  # distinct sizes; entry 5 has a file of its own
 
 
@@ -392,24 +396,26 @@ def test_fuzzed_index_slots_never_serve_wrong_data(shm_dir):
 
     @FUZZ
     @given(i=st.integers(0, n - 1), kind=st.sampled_from(["raw", "checksummed"]),
-           raw=st.binary(min_size=16, max_size=16),
+           raw=st.binary(min_size=SLOT, max_size=SLOT),
            seg=st.sampled_from(["same", "next", "zero", "missing", "standalone", "random"]),
            off_delta=st.integers(-3, 3) | st.sampled_from([-(2**20), 2**20]), len_delta=st.integers(-130, 130),
-           big=st.integers(0, 2**32 - 1), huge_len=st.booleans())
-    def run(i, kind, raw, seg, off_delta, len_delta, big, huge_len):
+           big=st.integers(0, 2**32 - 1), huge_len=st.booleans(), huge=st.integers(0, 2**64 - 1),
+           tag=st.sampled_from(["right", "other entry's", "random"]))
+    def run(i, kind, raw, seg, off_delta, len_delta, big, huge_len, huge, tag):
         if not store.contains(i):
             store[i] = items[i]
-        real_seg, real_off, real_len = read_slot_raw(store.path, i)
+        real_seg, real_off, real_len, real_tag = read_slot_raw(store.path, i)
         if kind == "raw":
             fd = os.open(os.path.join(store.path, "index"), os.O_WRONLY)
-            os.pwrite(fd, raw, 16 * i)
+            os.pwrite(fd, raw, SLOT * i)
             os.close(fd)
         else:
             s = {"same": real_seg, "next": (real_seg + 1) % STANDALONE, "zero": 0, "missing": 7777,
                  "standalone": STANDALONE, "random": big}[seg]
-            off = max(0, min(2**32 - 1, real_off // 64 + off_delta)) * 64
-            length = big if huge_len else max(0, min(2**32 - 1, real_len + len_delta))
-            plant_slot(store.path, i, s, off, length)
+            off = max(0, real_off + 64 * off_delta)
+            length = huge if huge_len else max(0, real_len + len_delta)
+            t = {"right": real_tag, "other entry's": read_slot_raw(store.path, (i + 1) % n)[3], "random": big}[tag]
+            plant_slot(store.path, i, s, off, length, t)
         got = store[i]
         if got is None:
             outcomes["rejected"] += 1
@@ -428,13 +434,6 @@ def test_fuzzed_index_slots_never_serve_wrong_data(shm_dir):
     record("fuzz/shm-index-slots", examples=EXAMPLES, **outcomes, wrong_data=0, crashes=0, failures=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py: an index slot's CRC binds (segment, offset, length) to the entry number but not to the blob it "
-    "points at, and blobs do not name their entry: a checksummed slot pointing at another entry's blob serves that "
-    "entry's item (disk files carry a key tag for exactly this). Only the owner can write slots (0700), so this is "
-    "hardening, not an exploitable hole",
-)
 def test_a_slot_pointing_at_another_entry_is_rejected(shm_dir):
     store = SharedMemoryStore("swapped", 2, shm_dir=shm_dir)
     try:
@@ -603,9 +602,9 @@ def plant_all(cache: str, plants: dict[str, bytes]) -> None:
         if "<i>.e" in name:
             with open(os.path.join(cache, f"{i}.e"), "wb") as f:
                 f.write(content)
-            plant_slot(cache, i, STANDALONE, 0, len(content))
+            plant_slot(cache, i, STANDALONE, 0, len(content), blob_tag(content, i))
         else:
-            plant_slot(cache, i, plant_segment(cache, content, seg=i + 1), 0, len(content))
+            plant_slot(cache, i, plant_segment(cache, content, seg=i + 1), 0, len(content), blob_tag(content, i))
 
 
 def test_planted_pickles_in_shared_memory_are_never_executed(shm_dir, tmp_path):

@@ -342,12 +342,6 @@ def _leave_a_temp_file(directory: str) -> None:
     os._exit(0)  # as if killed mid-write; its parent has not reaped it yet
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="utils.py pid_alive (used by disk.sweep_temp_files): kill(pid, 0) succeeds for a zombie, so the "
-    "temporary file of a writer that died but was not reaped yet (a killed rank's orphaned workers before init "
-    "reaps them; for ever in a container whose PID 1 does not reap) is kept until it is an hour old",
-)
 def test_sweep_removes_the_temporary_file_of_a_dead_unreaped_writer(tmp_path):
     pid = os.fork()
     if pid == 0:
@@ -373,12 +367,6 @@ def _write_big_entries_forever(shm_dir: str) -> None:
         store[0] = big
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py: the partial entry file (.tmp.<pid>.<tid>.<n>, up to the entry's size) of a writer killed while "
-    "writing a large entry is never removed while the cache lives, and a keep_warm=True cache keeps it for good: "
-    "joining a kept cache does not sweep dead writers' temporary files (_dead_tmp_files exists but is not used)",
-)
 def test_partial_entry_of_a_killed_writer_is_reclaimed_when_a_kept_cache_is_joined(shm_dir):
     path = os.path.join(cache_root(shm_dir), "kept")
     left = []
@@ -428,17 +416,11 @@ def test_worker_killed_holding_the_shared_memory_counters_lock_blocks_nobody(shm
     store.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="disk.py _SharedCounters.add/first: a DataLoader worker SIGKILLed inside the counters' critical "
-    "section leaves the multiprocessing.Lock held forever; every later get()/put() of that family then waits "
-    "1 s for it (lock.acquire(timeout=1.0)) for the rest of training",
-)
 def test_worker_killed_holding_the_disk_counters_lock_blocks_nobody(tmp_path):
     store = DiskStore(str(tmp_path), async_writes=False)
     store.put("a", make_item(0, 64))
-    # the state a worker killed inside _SharedCounters.add leaves behind: the real lock, held by a dead process
-    p = FORK.Process(target=_die_holding, args=(store._shared._lock.acquire,))
+    # the state a worker killed inside _SharedCounters.add leaves behind: the real lock, taken by a dying process
+    p = FORK.Process(target=_die_holding, args=(store._shared._locked().__enter__,))
     p.start()
     p.join(30)
     assert p.exitcode == -signal.SIGKILL

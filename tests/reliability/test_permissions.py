@@ -330,11 +330,6 @@ def test_cache_directories_planted_by_another_user_in_our_root_are_not_read(publ
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py _reclaim_stale and remove_cache (so every join, and monai-cache clear) check a cache directory's "
-    "lease and 'stats' but not its owner: a stale-looking cache directory of another user inside our root is removed",
-)
 def test_cache_directories_planted_by_another_user_in_our_root_are_not_removed(public_shm_dir):
     planted, before = plant_in_our_root(public_shm_dir)
     other = SharedMemoryStore("unrelated", 1, shm_dir=public_shm_dir)  # joining reclaims stale caches: not theirs
