@@ -190,33 +190,58 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+_CHECK_CHUNK = 1 << 18  # elements per step of the lossless check: temporaries stay small and in cache
+_BITS = {  # integers of the same width: floats are compared as bit patterns
+    torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64,
+}
+
+
+def _pieces(flat: torch.Tensor) -> Iterator[torch.Tensor]:
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        yield flat[start : start + _CHECK_CHUNK]
+
+
+def _round_trips(flat: torch.Tensor, cand: torch.dtype) -> bool:
+    """Whether every value of ``flat`` survives a cast to ``cand`` and back, bit for bit.
+
+    Floats are compared as their bit patterns, so -0.0, NaN and infinities must come back exactly too. The
+    check runs piecewise and stops at the first piece that fails (most float images fail at once).
+    """
+    bits = _BITS.get(flat.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for piece in _pieces(flat):
+            back = piece.to(cand).to(flat.dtype)
+            if not (torch.equal(back.view(bits), piece.view(bits)) if bits else torch.equal(back, piece)):
+                return False
+    return True
+
+
 def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
-    """The smallest dtype that holds every value of ``t`` exactly (bit for bit after casting back), if smaller."""
+    """The smallest dtype that holds every value of ``t`` exactly (bit for bit after casting back), if smaller.
+
+    Never holds a whole-size temporary, so that checking a multi-GB volume costs no extra copy of it.
+    """
     if t.numel() == 0 or t.dtype in (torch.bool, torch.uint8, torch.int8) or t.is_complex():
         return None
-    if t.dtype.is_floating_point:
-        if not bool(torch.isfinite(t).all()):
-            return None
-        if bool((torch.signbit(t) & (t == 0)).any()):  # -0.0 would come back as +0.0
-            return None
-    lo, hi = (float(v) for v in torch.aminmax(t.reshape(-1)))
+    flat = t.reshape(-1)  # a view of a contiguous tensor
     for cand in (torch.uint8, torch.int8, torch.int16, torch.int32):
         if cand.itemsize >= t.dtype.itemsize:
             break
-        info = torch.iinfo(cand)
-        if info.min <= lo and hi <= info.max:
-            if t.dtype.is_floating_point:
-                if torch.equal(t.to(cand).to(t.dtype), t):
-                    return cand
-                break  # non-integral floats: try the float types below
+        if not t.dtype.is_floating_point:
+            lo, hi = (int(v) for v in torch.aminmax(flat))
+            info = torch.iinfo(cand)
+            if info.min <= lo and hi <= info.max:
+                return cand
+            continue
+        # Floats: the round trip itself checks the range (out-of-range, non-integral, NaN and -0.0 fail).
+        if _round_trips(flat, cand):
             return cand
     if t.dtype in (torch.float32, torch.float64):
         for cand in (torch.float16, torch.bfloat16, torch.float32):
             if cand.itemsize >= t.dtype.itemsize:
                 break
-            with np.errstate(over="ignore"):
-                if torch.equal(t.to(cand).to(t.dtype), t):
-                    return cand
+            if _round_trips(flat, cand):
+                return cand
     return None
 
 

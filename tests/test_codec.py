@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from monai.data import MetaTensor
 from monai.utils.enums import MetaKeys, SpaceKeys, TraceKeys
 
+from monai_cache import codec
 from monai_cache.codec import ALIGN, FORMAT_VERSION, MAGIC, CorruptEntryError, UnsupportedValueError, decode, encode
 
 
@@ -183,6 +184,23 @@ def test_downcast_stores_small_types():
     stored = [n["sd"] for n in header["root"]["v"]]
     assert stored == ["uint8", "int16"]
     assert small.nbytes < plain * 0.4
+
+
+@pytest.mark.parametrize(
+    "spoil, stored",
+    [(None, "int16"), (0.5, "float16"), (-0.0, "float16"), (float("nan"), None), (float("inf"), "float16"),
+     (40000.0, "float16"), (1e-30, None)],
+)
+def test_lossless_check_looks_at_every_piece_of_a_large_tensor(monkeypatch, spoil, stored):
+    """The check runs piecewise (bounded temporaries); a value that forbids a dtype in the *last* piece counts."""
+    monkeypatch.setattr(codec, "_CHECK_CHUNK", 1000)
+    t = torch.randint(-1000, 1000, (4, 2501)).float()  # 10,004 values: 11 pieces, the last one of 4 values
+    if spoil is not None:
+        t.view(-1)[-1] = spoil
+    header = json.loads(encode({"t": t}, downcast=True).header)
+    assert header["root"]["v"][0].get("sd") == stored
+    out = roundtrip({"t": t}, downcast=True)["t"]
+    assert torch.equal(bits(out), bits(t))
 
 
 def test_lossy_per_key_is_explicit():
