@@ -190,6 +190,9 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+# Smaller arrays (affines, metadata: dozens per item) are stored as they are: checking them would cost more
+# time than the few bytes it saves.
+DOWNCAST_MIN_BYTES = 4096
 _CHECK_CHUNK = 1 << 18  # elements per step of the lossless check: temporaries stay small and in cache
 _BITS = {  # integers of the same width: floats are compared as bit patterns
     torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64,
@@ -292,7 +295,7 @@ class _Encoder:
         stored = None
         if top_key is not None and top_key in self.lossy:
             stored = self.lossy[top_key]
-        elif self.downcast:
+        elif self.downcast and data.numel() * data.element_size() >= DOWNCAST_MIN_BYTES:
             stored = _lossless_target(data)
         if stored is not None and stored != data.dtype:
             node["sd"] = _TORCH_DTYPE_NAMES[stored]
@@ -319,7 +322,7 @@ class _Encoder:
         stored = None
         if top_key is not None and top_key in self.lossy:
             stored = self.lossy[top_key]
-        elif self.downcast and data.dtype.kind in "iuf" and data.size:
+        elif self.downcast and data.dtype.kind in "iuf" and data.nbytes >= DOWNCAST_MIN_BYTES:
             stored = _lossless_target(torch.from_numpy(np.ascontiguousarray(data.reshape(-1))))
         if stored is not None:
             sd = np.dtype(str(stored).replace("torch.", "")) if stored != torch.bfloat16 else None
