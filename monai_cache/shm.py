@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the codec imports torch (seconds); `monai-cache ls` and `clear` need none of it
     from monai_cache import codec
-from monai_cache.utils import OFDLock, format_bytes, parse_bytes, pid_alive, warn
+from monai_cache.utils import OFDLock, format_bytes, ofd_lock, ofd_unlock, parse_bytes, pid_alive, warn
 
 __all__ = ["SharedMemoryStore", "cache_root", "default_shm_dir", "list_caches", "remove_cache"]
 
@@ -152,10 +152,32 @@ class _Stats:
         self._fd = -1
         self._lock = threading.Lock()
 
-    def _locked(self) -> OFDLock | contextlib.nullcontext:
-        if not os.path.exists(self._path):  # the cache was removed under us: the counters are ours alone
-            return contextlib.nullcontext()
-        return OFDLock(self._path, 0)
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive across processes (the caller holds ``self._lock``, which excludes this process's threads)."""
+        fd = self._lock_fd()
+        if fd < 0:  # the cache was removed under us: the counters are ours alone
+            yield
+            return
+        ofd_lock(fd)
+        try:
+            yield
+        finally:
+            ofd_unlock(fd)
+
+    def _lock_fd(self) -> int:
+        # One descriptor per process, opened once (not per update: counting is on every read's path). An OFD
+        # lock belongs to the open file description, which a forked child shares with its parent: so a
+        # child opens its own.
+        if self._pid != os.getpid():
+            if self._fd >= 0:
+                os.close(self._fd)  # the parent's, inherited
+            try:
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                self._fd = -1
+            self._pid = os.getpid()
+        return self._fd
 
     def add(self, **deltas: int) -> dict[str, int]:
         """Add to counters atomically across processes; returns the new values of those counters."""
@@ -190,7 +212,13 @@ class _Stats:
     def reinit_after_fork(self) -> None:
         self._lock = threading.Lock()
 
+    def close_fd(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd, self._pid = -1, -1
+
     def close(self) -> None:
+        self.close_fd()
         try:
             self._map.close()
         except (BufferError, ValueError):
@@ -367,6 +395,7 @@ class _Directory:
         self.index_fd = -1
         self.segment_fds = {}
         self.writer = None
+        self.stats.close_fd()
 
     def _join(self, keep: bool) -> None:
         with _RootLock(self.root):
@@ -407,7 +436,9 @@ class _Directory:
             if keep:
                 _touch_private(os.path.join(self.path, "keep"))
             if fresh or wiped or _stats_magic(stats_path) != _STATS_MAGIC:
-                _Stats(stats_path).reset()
+                fresh_stats = _Stats(stats_path)
+                fresh_stats.reset()
+                fresh_stats.close()
 
     def _sweep_dead_writers(self) -> None:
         """Remove the partial entries of writers killed while writing: they hold shared memory and budget.

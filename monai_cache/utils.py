@@ -10,7 +10,7 @@ import struct
 import time
 import warnings
 
-__all__ = ["OFDLock", "format_bytes", "parse_bytes", "pid_alive", "warn"]
+__all__ = ["OFDLock", "format_bytes", "ofd_lock", "ofd_unlock", "parse_bytes", "pid_alive", "warn"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -77,6 +77,26 @@ def pid_alive(pid: int) -> bool:
 _FLOCK = struct.Struct("hhqqi4x")
 
 
+def ofd_lock(fd: int, start: int = 0, blocking: bool = True) -> bool:
+    """Take the OFD write lock on byte ``start`` of the file open as ``fd``; False if busy and not ``blocking``."""
+    while True:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if blocking else fcntl.F_OFD_SETLK,
+                        _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
+            return True
+        except OSError as e:
+            if not blocking and e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            if e.errno in (errno.EINTR, errno.EDEADLK):
+                time.sleep(0.001)
+                continue
+            raise
+
+
+def ofd_unlock(fd: int, start: int = 0) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
+
+
 class OFDLock:
     """A byte-range lock owned by an open file description (Linux OFD lock).
 
@@ -92,35 +112,23 @@ class OFDLock:
         self._start = start
         self._fd = -1
 
-    def _fcntl(self, cmd: int, ltype: int) -> None:
-        fcntl.fcntl(self._fd, cmd, _FLOCK.pack(ltype, os.SEEK_SET, self._start, 1, 0))
-
     def acquire(self, blocking: bool = True) -> bool:
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            while True:
-                try:
-                    self._fcntl(fcntl.F_OFD_SETLKW if blocking else fcntl.F_OFD_SETLK, fcntl.F_WRLCK)
-                    return True
-                except OSError as e:
-                    if not blocking and e.errno in (errno.EAGAIN, errno.EACCES):
-                        os.close(self._fd)
-                        self._fd = -1
-                        return False
-                    if e.errno in (errno.EINTR, errno.EDEADLK):
-                        time.sleep(0.001)
-                        continue
-                    raise
+            if ofd_lock(self._fd, self._start, blocking):
+                return True
         except BaseException:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            os.close(self._fd)
+            self._fd = -1
             raise
+        os.close(self._fd)
+        self._fd = -1
+        return False
 
     def release(self) -> None:
         if self._fd >= 0:
             try:
-                self._fcntl(fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
+                ofd_unlock(self._fd, self._start)
             finally:
                 os.close(self._fd)
                 self._fd = -1
