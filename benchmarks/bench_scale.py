@@ -271,7 +271,7 @@ def _ours_cache_extras(n: int, shm_dir: str, workers: int, timeout: float) -> di
         extras["attach_s"], extras["attach_imports_s"], extras["attach_misses"] = a["attach"], a["imports"], a["misses"]
     cli = [sys.executable, "-m", "monai_cache"]
     t = time.perf_counter()
-    subprocess.run(cli + ["ls"], env=env, capture_output=True, timeout=timeout)
+    subprocess.run([*cli, "ls"], env=env, capture_output=True, timeout=timeout)
     extras["ls_s"] = time.perf_counter() - t
     # the same work without the interpreter start and imports: ls (list + attached processes), then clear --all
     code = (
@@ -285,7 +285,7 @@ def _ours_cache_extras(n: int, shm_dir: str, workers: int, timeout: float) -> di
         a = json.loads(r.stdout.strip().splitlines()[-1])
         extras["ls_core_s"], extras["clear_core_s"] = a["ls"], a["clear"]
     t = time.perf_counter()
-    subprocess.run(cli + ["clear", "--all"], env=env, capture_output=True, timeout=timeout)
+    subprocess.run([*cli, "clear", "--all"], env=env, capture_output=True, timeout=timeout)
     extras["clear_s"] = time.perf_counter() - t  # nothing left to remove: interpreter start and imports
     extras["left_after_clear"] = len(os.listdir(cache_root(shm_dir, create=False))) if os.path.isdir(
         cache_root(shm_dir, create=False)) else 0
@@ -399,9 +399,9 @@ def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> s
         if "disk_overhead" in r:
             notes.append(f"disk overhead {r['disk_overhead']:.1%} ({r['disk_files']:,} files)")
         if "attach_s" in r:
+            ls_s, clear_s = r.get("ls_core_s", float("nan")), r.get("clear_core_s", float("nan"))
             notes.append(f"attach {r['attach_s']:.2f} s (+{r['attach_imports_s']:.1f} s imports); "
-                         f"ls {r.get('ls_core_s', float('nan')):.3f} s, clear {r.get('clear_core_s', float('nan')):.3f} s "
-                         f"(`monai-cache ls` {r['ls_s']:.1f} s with imports)")
+                         f"ls {ls_s:.3f} s, clear {clear_s:.3f} s (`monai-cache ls` {r['ls_s']:.1f} s with imports)")
         lines.append(
             f"| {r['variant']} | {r['n']:,} | {r['build']:.1f} | {r['warm_items_s']:,.0f} | {_fmt_bytes(r['memory'])} "
             f"| {r['worker_fds']} | {r['worker_maps']} | {'; '.join(notes)} |"
@@ -427,7 +427,9 @@ def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> s
         if "error" in r:
             lrows.append(f"| {name} | fails: {r['error'][:80]} | | | |")
         else:
-            lrows.append(f"| {name} | {r['write_x']:.2f} | {r['read_x']:.2f} | {r['write_s']:.1f} | {r['read_s']:.1f} |")
+            lrows.append(
+                f"| {name} | {r['write_x']:.2f} | {r['read_x']:.2f} | {r['write_s']:.1f} | {r['read_s']:.1f} |"
+            )
     text = "\n".join(lines + ratio + lrows + ["", f"budget smaller than one item: {budget}"])
     _plot(rows, out_dir)
     return text
@@ -496,7 +498,10 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_scale.json"), "w") as f:
         json.dump({"rows": rows, "large": large, "budget": budget, "seconds": time.perf_counter() - t0,
                    "cpus": os.cpu_count()}, f, indent=1)
-    print(report(rows, large, budget, args.out))
+    text = report(rows, large, budget, args.out)
+    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by `monai-cache bench`
+        f.write(text + "\n")
+    print(text)
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

@@ -2,8 +2,10 @@
 
 The benchmarks are the scripts of the repository's ``benchmarks/`` directory (not part of the installed
 package): ``bench_cache.py`` (CacheDataset: time to first batch, epoch times, memory of all processes),
-``bench_persistent.py`` (PersistentDataset: bytes on disk, cold and warm epochs) and ``bench_sampler.py``
-(ShardedDistributedSampler: hit rate, epoch time). Each runs as a subprocess; every ratio in their tables
+``bench_persistent.py`` (PersistentDataset: bytes on disk, cold and warm epochs), ``bench_sampler.py``
+(ShardedDistributedSampler: hit rate, epoch time) and ``bench_scale.py`` (many small items and one large
+item; the full mode runs its ``--quick`` sizes, up to 10,000 items: its 100,000-item run takes about an hour
+and a half and is run by hand, see docs/scale.md). Each runs as a subprocess; every ratio in their tables
 is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
 describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
 (epoch time per epoch, memory across processes, bytes on disk per item).
@@ -18,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +31,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -100,6 +103,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
     cache = [py, str(bench_dir / "bench_cache.py"), "--out", str(work / "cache"), "--no-progress"]
     persistent = [py, str(bench_dir / "bench_persistent.py"), "--json", str(work / "persistent.json")]
     sampler = [py, str(bench_dir / "bench_sampler.py")]
+    scale = [py, str(bench_dir / "bench_scale.py"), "--out", str(work / "scale")]
     if quick:
         # Reduced versions of the scripts' own --quick modes: 4 volumes, 2 ranks (where one shared copy shows),
         # one repeat. About a minute on an idle 2-core machine; a few minutes on a busy one.
@@ -107,7 +111,11 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         cache += ["--mem-interval", "0.25"]
         persistent += ["--quick", "--items", "4", "--repeats", "1", "--workers", "1"]
         sampler += ["--quick"]
-    return {"cache": cache, "persistent": persistent, "sampler": sampler}
+        # 2,000 small items, ours against MONAI's eager CacheDataset, and a 64 MiB item
+        scale += ["--sizes", "2000", "--variants", "ours-cache", "monai-cache", "--workers", "2", "--large-mb", "64"]
+    else:
+        scale += ["--quick"]
+    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -235,6 +243,10 @@ def _plots(results: dict[str, Any], img_dir: Path) -> dict[str, str]:
     made: dict[str, str] = {}
     cache = results.get("cache", {}).get("data") or {}
     persistent = results.get("persistent", {}).get("data") or {}
+    plot = results.get("scale", {}).get("plot")
+    if isinstance(plot, Path) and plot.is_file():  # drawn by bench_scale.py itself
+        shutil.copyfile(plot, img_dir / "bench_scale.png")
+        made["scale"] = "bench_scale.png"
     for kind, fn, data in (
         ("epochs", _plot_epochs, cache),
         ("memory", _plot_memory, cache),
@@ -254,6 +266,7 @@ _TITLES = {
     "cache": "CacheDataset (shared memory) — `benchmarks/bench_cache.py`",
     "persistent": "PersistentDataset (disk) — `benchmarks/bench_persistent.py`",
     "sampler": "ShardedDistributedSampler — `benchmarks/bench_sampler.py`",
+    "scale": "Scale: many small items, one large item — `benchmarks/bench_scale.py` (details: [scale.md](scale.md))",
 }
 
 
@@ -297,6 +310,7 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
             "epochs": "Epoch time per epoch (the first epoch fills the cache)",
             "memory": "Memory of all processes together (peak and mean)",
             "disk": "Bytes on disk per item",
+            "scale": "Small items: cost as the item count grows",
         }
         for kind, name in plots.items():
             md += [f"![{captions[kind]}](img/{name})", ""]
@@ -420,6 +434,11 @@ def run(args: argparse.Namespace) -> int:
                 r["data"] = _read_json(work / "persistent.json")
             elif name == "sampler" and rc == 0:
                 r["markdown"] = _demote_headings(_clean_output(output))
+            elif name == "scale":
+                r["data"] = _read_json(work / "scale" / "bench_scale.json")
+                md = work / "scale" / "report.md"
+                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+                r["plot"] = work / "scale" / "bench_scale.png"
             if rc != 0:
                 failed.append(name)
                 print(f"monai-cache bench: {name} failed with exit status {rc}", file=sys.stderr)

@@ -137,35 +137,40 @@ def disk_cache(tmp_path):
 
 
 def test_info_verify_clear_disk_cache(disk_cache):
-    entries = sorted(n for n in os.listdir(disk_cache) if n.endswith(".mcache"))
-    assert len(entries) == 4
+    from monai_cache.disk import stored_entries
+
+    entries = list(stored_entries(str(disk_cache)))
+    assert len(entries) == 4 and all(e.packed for e in entries)  # tiny items: records in one pack
     (disk_cache / "model.pt").write_bytes(b"MONAI's own file")  # not ours: never opened, never removed
     (disk_cache / "fake.mcache").write_bytes(b"no magic here")  # our suffix, not our magic
 
     info = json.loads(cl("info", str(disk_cache), "--json").stdout)
     assert info["entries"] == 4 and info["bad_headers"] == 1 and info["other_files"] == 1
-    assert info["format_versions"] == {"1": 4} and info["bytes"] > 0 and info["compression_ratio"] > 0
+    assert info["packed"] == 4 and info["packs"] == 1
+    assert info["format_versions"] == {"2": 4} and info["bytes"] > 0 and info["compression_ratio"] > 0
     assert info["hits"] is None
     assert "entries         4" in cl("info", str(disk_cache)).stdout
 
     os.unlink(disk_cache / "fake.mcache")
     assert json.loads(cl("verify", str(disk_cache), "--json").stdout)["ok"] == 4
 
-    bad = disk_cache / entries[1]
-    raw = bytearray(bad.read_bytes())
-    raw[-3] ^= 0xFF  # flip a byte of the payload
-    bad.write_bytes(bytes(raw))
+    bad = entries[1]
+    name = f"{os.path.basename(bad.path)}@{bad.offset}"
+    with open(bad.path, "r+b") as f:  # flip a byte of the payload of the second record
+        f.seek(bad.offset + bad.length - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
     p = mc("verify", str(disk_cache), check=1)
-    assert f"BAD  {entries[1]}" in p.stdout and "checksum" in p.stdout and "3 ok, 1 bad" in p.stdout
+    assert f"BAD  {name}" in p.stdout and "checksum" in p.stdout and "3 ok, 1 bad" in p.stdout
     result = json.loads(cl("verify", str(disk_cache), "--json", check=1).stdout)
-    assert [b["file"] for b in result["bad"]] == [entries[1]] and not result["bad"][0]["removed"]
-    assert bad.exists()
-    cl("verify", str(disk_cache), "--remove", check=1)
-    assert not bad.exists()
+    assert [b["file"] for b in result["bad"]] == [name] and not result["bad"][0]["removed"]
+    cl("verify", str(disk_cache), "--remove", check=1)  # marks the record removed in the pack's index
+    assert len(list(stored_entries(str(disk_cache)))) == 3
     cl("verify", str(disk_cache), check=0)
 
     out = json.loads(cl("clear", "--cache-dir", str(disk_cache), "--json").stdout)
-    assert out["removed"] == 3 and out["kept"] == 1 and not out["removed_dir"]
+    assert out["removed"] == 2 and out["kept"] == 1 and not out["removed_dir"]  # the pack and its index
     assert os.listdir(disk_cache) == ["model.pt"]
 
 
@@ -212,6 +217,15 @@ _STUBS = {
         print("|---|---|")
         print("| ours | 100% |")
     """,
+    "bench_scale.py": """
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        json.dump({"rows": [], "large": []}, open(os.path.join(out, "bench_scale.json"), "w"))
+        open(os.path.join(out, "report.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
+        import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+        plt.plot([1, 2]); plt.savefig(os.path.join(out, "bench_scale.png"))
+    """,
 }
 
 
@@ -224,12 +238,13 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     docs = tmp_path / "docs"
     p = cl("bench", "--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
     summary = json.loads(p.stdout)  # --json: nothing else on stdout
-    assert summary["failed"] == [] and set(summary["benchmarks"]) == {"cache", "persistent", "sampler"}
+    assert summary["failed"] == [] and set(summary["benchmarks"]) == {"cache", "persistent", "sampler", "scale"}
     assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
     report = (docs / "benchmarks.md").read_text()
     assert "**Machine:**" in report and "load average" in report and "CPU cores" in report
     assert "| 1 | 2 |" in report and "### sampler benchmark" in report and "Bytes on disk per item" in report
-    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png"):
+    assert "| ours-cache | 2,000 |" in report
+    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png"):
         assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{png}" in report
 
