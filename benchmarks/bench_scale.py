@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,6 +196,13 @@ def rank_main(variant: str, n: int, workers: int, cache_dir: str, result: str) -
 
 
 # ------------------------------------------------------------------------------------- one variant
+def _error_line(stderr: str) -> str:
+    """The line of a rank's stderr that names its error (some tracebacks end with a line of dashes)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and set(ln.strip()) - set("-=~^ ")]
+    named = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (named or lines or [""])[-1]
+
+
 def run_variant(variant: str, n: int, ranks: int, workers: int, timeout: float, shm_dir: str) -> dict:
     work = tempfile.mkdtemp(prefix="bench-scale-", dir=os.environ.get("BENCH_SCALE_DISK", "/tmp"))
     env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")
@@ -212,7 +220,7 @@ def run_variant(variant: str, n: int, ranks: int, workers: int, timeout: float, 
         try:
             _, err = p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
             if p.returncode:
-                errors.append(err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+                errors.append([_error_line(err.decode(errors="replace")) or f"exit {p.returncode}"])
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
