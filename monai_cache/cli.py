@@ -156,10 +156,13 @@ def disk_cache_info(cache_dir: str) -> dict[str, Any]:
         cache_dir: a ``PersistentDataset`` ``cache_dir``.
 
     Returns:
-        ``path``, ``entries`` (files with a valid header), ``bytes`` (their size), ``bytes_on_disk``
+        ``path``, ``entries`` (entry files with a valid header, plus packed records with one: the record each
+        key's latest index record points to), ``packed`` (of which in packs), ``packs`` (pack files),
+        ``bytes`` (size of the entry files, packs and pack indexes), ``bytes_on_disk``
         (allocated blocks), ``blob_bytes`` (the encoded items, uncompressed), ``compression_ratio``
         (``blob_bytes / bytes``), ``compressed`` (entries stored with zstd), ``format_versions`` and
-        ``codec_versions`` (``{version: count}``), ``bad_headers`` (entry files whose header does not read),
+        ``codec_versions`` (``{version: count}``), ``bad_headers`` (entry files or packed records whose header
+        does not read),
         ``temp_files`` (writes in progress or left by killed writers), ``other_files`` (not ours, e.g. MONAI's
         ``.pt``; never opened) and ``hits`` (``None``: hit counters live in the training processes).
 
@@ -167,13 +170,23 @@ def disk_cache_info(cache_dir: str) -> dict[str, Any]:
         NotADirectoryError: ``cache_dir`` is not a directory.
     """
     from monai_cache import codec
-    from monai_cache.disk import DISK_FORMAT_VERSION, ENTRY_SUFFIX, HEADER_SIZE, read_header
+    from monai_cache.disk import (
+        DISK_FORMAT_VERSION,
+        ENTRY_SUFFIX,
+        HEADER_SIZE,
+        PACK_SUFFIX,
+        is_pack_file,
+        read_header,
+        stored_entries,
+    )
 
     if not os.path.isdir(cache_dir):
         raise NotADirectoryError(f"{cache_dir!r} is not a directory")
     info: dict[str, Any] = {
         "path": os.path.abspath(cache_dir),
         "entries": 0,
+        "packed": 0,
+        "packs": 0,
         "bytes": 0,
         "bytes_on_disk": 0,
         "blob_bytes": 0,
@@ -195,6 +208,15 @@ def disk_cache_info(cache_dir: str) -> dict[str, Any]:
             if name.startswith(".") and name.endswith(".tmp"):
                 info["temp_files"] += 1
                 continue
+            if is_pack_file(name):  # its records are counted below, from the indexes
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                info["bytes"] += st.st_size
+                info["bytes_on_disk"] += st.st_blocks * 512
+                info["packs"] += int(name.endswith(PACK_SUFFIX))
+                continue
             if name.startswith(".") or not name.endswith(ENTRY_SUFFIX):
                 info["other_files"] += 1
                 continue
@@ -213,6 +235,29 @@ def disk_cache_info(cache_dir: str) -> dict[str, Any]:
             info["compressed"] += int(h["compressed"])
             for field, version in (("format_versions", h["version"]), ("codec_versions", h["codec_version"])):
                 info[field][str(version)] = info[field].get(str(version), 0) + 1
+    fds: dict[str, int] = {}
+    try:
+        for rec in stored_entries(cache_dir):
+            if rec.tag is None:
+                continue  # entry files: counted above
+            try:
+                if rec.path not in fds:
+                    fds[rec.path] = os.open(rec.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                h = read_header(os.pread(fds[rec.path], HEADER_SIZE, rec.offset))
+                if HEADER_SIZE + h["stored_len"] != rec.length or h["key_tag"] != rec.tag:
+                    raise codec.CorruptEntryError("record does not match its index")
+            except (OSError, codec.CorruptEntryError):
+                info["bad_headers"] += 1
+                continue
+            info["entries"] += 1
+            info["packed"] += 1
+            info["blob_bytes"] += h["blob_len"]
+            info["compressed"] += int(h["compressed"])
+            for field, version in (("format_versions", h["version"]), ("codec_versions", h["codec_version"])):
+                info[field][str(version)] = info[field].get(str(version), 0) + 1
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     if info["bytes"]:
         info["compression_ratio"] = info["blob_bytes"] / info["bytes"]
     return info
@@ -233,7 +278,10 @@ def _info_run(args: argparse.Namespace) -> int:
         return 0
     versions = ", ".join(f"v{v}: {n}" for v, n in sorted(info["format_versions"].items())) or "-"
     print(f"disk cache      {info['path']}")
-    print(f"entries         {info['entries']} ({info['compressed']} zstd-compressed)")
+    print(
+        f"entries         {info['entries']} ({info['compressed']} zstd-compressed; {info['packed']} packed in "
+        f"{info['packs']} pack(s))"
+    )
     print(f"size            {format_bytes(info['bytes'])} ({format_bytes(info['bytes_on_disk'])} allocated)")
     print(f"encoded items   {format_bytes(info['blob_bytes'])}")
     print(f"compression     {info['compression_ratio']:.2f}x (encoded / file bytes)")
@@ -267,9 +315,10 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
 def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
     """Remove monai_cache's files from a disk cache directory, and the directory if it is then empty.
 
-    Only entry files (``*.mcache`` starting with the disk magic number) and our temporary files
-    (``.<key>.<host>.<pid>.<n>.tmp``) are removed; anything else (MONAI's ``.pt`` files, the user's own files)
-    is left alone.
+    Only entry files (``*.mcache`` starting with the disk magic number), packs and their indexes
+    (``pack.<host>.<pid>.<n>.mcpack`` / ``.mcidx``, empty or starting with our magic numbers) and our temporary
+    files (``.<key>.<host>.<pid>.<n>.tmp``) are removed; anything else (MONAI's ``.pt`` files, the user's own
+    files) is left alone.
 
     Args:
         cache_dir: a ``PersistentDataset`` ``cache_dir``.
@@ -280,7 +329,7 @@ def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
     Raises:
         NotADirectoryError: ``cache_dir`` is not a directory.
     """
-    from monai_cache.disk import DISK_MAGIC, ENTRY_SUFFIX
+    from monai_cache.disk import DISK_MAGIC, ENTRY_SUFFIX, INDEX_MAGIC, INDEX_SUFFIX, is_pack_file
 
     if not os.path.isdir(cache_dir):
         raise NotADirectoryError(f"{cache_dir!r} is not a directory")
@@ -299,6 +348,14 @@ def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
             try:
                 with open(entry.path, "rb") as f:
                     ours = f.read(len(DISK_MAGIC)) == DISK_MAGIC
+            except OSError:
+                ours = False
+        elif is_pack_file(name):
+            magic = INDEX_MAGIC if name.endswith(INDEX_SUFFIX) else DISK_MAGIC
+            try:
+                with open(entry.path, "rb") as f:
+                    head = f.read(len(magic))
+                ours = magic.startswith(head)  # empty or torn at creation (a killed writer) counts as ours
             except OSError:
                 ours = False
         if not ours:
@@ -383,33 +440,37 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def verify_disk_cache(cache_dir: str, remove: bool = False, allow_pickle: bool = False) -> dict[str, Any]:
-    """Read, check (header and payload checksums, key tag, lengths) and decode every entry of a disk cache.
+    """Read, check (header and payload checksums, key tag, lengths) and decode every entry of a disk cache:
+    every entry file, and every record that a pack index points to (superseded ones included).
 
     Args:
         cache_dir: a ``PersistentDataset`` ``cache_dir``.
-        remove: delete the bad entry files.
+        remove: delete the bad entry files, and mark bad packed records removed in their pack's index (their
+            bytes stay in the pack, which other entries share; the items are appended anew when next used).
         allow_pickle: decode pickled values too; without it their checksums are checked but they are not decoded.
 
     Returns:
         ``{"path", "checked", "ok", "bad": [{"file", "error", "removed"}], "not_decoded"}`` (``not_decoded``:
-        entries holding pickled values, checksums fine).
+        entries holding pickled values, checksums fine; ``file`` of a packed record: ``<pack name>@<offset>``).
 
     Raises:
         NotADirectoryError: ``cache_dir`` is not a directory.
     """
     from monai_cache import codec
-    from monai_cache.disk import ENTRY_SUFFIX, read_entry
+    from monai_cache.disk import read_entry, read_packed, remove_packed, stored_entries
 
     if not os.path.isdir(cache_dir):
         raise NotADirectoryError(f"{cache_dir!r} is not a directory")
-    with os.scandir(cache_dir) as it:
-        names = sorted(e.name for e in it if e.name.endswith(ENTRY_SUFFIX) and not e.name.startswith("."))
     ok = not_decoded = 0
     bad: list[dict[str, Any]] = []
-    for name in names:
-        path = os.path.join(cache_dir, name)
+    for rec in list(stored_entries(cache_dir, superseded=True)):
+        path = rec.path
+        name = os.path.basename(path) + (f"@{rec.offset}" if rec.packed else "")
         try:
-            read_entry(path, allow_pickle=allow_pickle)
+            if rec.packed:
+                read_packed(rec, allow_pickle=allow_pickle)
+            else:
+                read_entry(path, allow_pickle=allow_pickle)
             ok += 1
             continue
         except FileNotFoundError:
@@ -427,7 +488,10 @@ def verify_disk_cache(cache_dir: str, remove: bool = False, allow_pickle: bool =
         removed = False
         if remove:
             try:
-                os.unlink(path)
+                if rec.packed:
+                    remove_packed(rec)
+                else:
+                    os.unlink(path)
                 removed = True
             except OSError:
                 pass

@@ -1,30 +1,41 @@
-"""A directory of cache files, one per item: checksummed, optionally zstd-compressed codec blobs.
+"""A directory of cache entries: checksummed, optionally zstd-compressed codec blobs.
 
-Each file is a 64-byte header followed by the item encoded by :mod:`monai_cache.codec` (the same bytes
-that the shared-memory store keeps), compressed with zstd unless compression is off. The full
-specification is in ``docs/disk-format.md``; in short (little endian)::
+An entry is a 64-byte header followed by the item encoded by :mod:`monai_cache.codec` (the same bytes
+that the shared-memory store keeps), compressed with zstd unless compression is off. Small entries (record
+under :data:`PACK_LIMIT`) are appended to shared *pack* files, large ones get a file of their own
+(``<key>.mcache``). The full specification is in ``docs/disk-format.md``; in short (little endian)::
 
     offset  size  field
     0       8     magic  b"MCDISK\\r\\n"
-    8       2     disk format version (1)
+    8       2     disk format version (2; version 1 entry files, same layout, are read too)
     10      2     header size (64)
     12      4     flags: bit 0 = payload is one zstd frame; other bits must be 0
     16      8     blob length: size of the codec blob (after decompression)
-    24      8     stored length: size of the payload that follows the header (= file size - 64)
+    24      8     stored length: size of the payload that follows the header
     32      4     CRC-32 (zlib) of the stored payload
     36      4     codec format version of the blob
-    40      16    key tag: the first 16 bytes of SHA-256 of the entry key (the file name without ``.mcache``)
+    40      16    key tag: the first 16 bytes of SHA-256 of the entry key
     56      4     reserved, 0
     60      4     CRC-32 of header bytes 0..59
 
+Packs: each writing process appends records (header + payload, as above) to
+``pack.<host>.<pid>.<n>.mcpack`` and then one 48-byte index record (key tag, offset, length, write time,
+flags, CRC-32) to ``pack.<host>.<pid>.<n>.mcidx``. Readers map key tags to records by reading the index
+files (lazily, then only their new tails on a miss); a later record for a key supersedes an earlier one
+(later in the same index, else written later).
+
 Guarantees:
 
-* Writes go to a temporary file in the same directory (mode 0600), which is renamed onto the final name
-  once complete: a process killed at any moment never leaves a file under a final name that is not
-  complete, and concurrent writers of one entry leave one complete file (the last rename wins).
+* Entry files are written to a temporary file in the same directory (mode 0600), which is renamed onto
+  the final name once complete: a process killed at any moment never leaves a file under a final name that
+  is not complete, and concurrent writers of one entry leave one complete file (the last rename wins).
+* Packed records are appended by one thread of one process per pack (mode 0600), the record before its
+  index record: a writer killed mid-append leaves bytes no index record points to, or a torn index record
+  that its CRC rejects. Every record is checked like a file (header, key tag, lengths, payload CRC).
 * Readers check the header checksum, the key tag, the lengths and the payload checksum before decoding;
   a bad file (truncated, bit-flipped, foreign, renamed) raises :class:`~monai_cache.codec.CorruptEntryError`
-  in :func:`read_entry`, and :meth:`DiskStore.get` reports it once, removes it and returns :data:`MISSING`.
+  in :func:`read_entry`, and :meth:`DiskStore.get` reports it once, removes it and returns :data:`MISSING`
+  (a bad packed record is reported once, never read again by this process, and superseded when rewritten).
   A crash of the machine (power loss) with ``fsync=False`` may leave a final file whose data never reached
   the disk; the checksums reject it in the same way.
 * Nothing is unpickled unless the store was created with ``allow_pickle=True``.
@@ -46,6 +57,7 @@ import mmap
 import multiprocessing
 import multiprocessing.util
 import os
+import re
 import socket
 import stat
 import struct
@@ -55,7 +67,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -75,20 +87,51 @@ __all__ = [
     "DISK_MAGIC",
     "ENTRY_SUFFIX",
     "HEADER_SIZE",
+    "INDEX_SUFFIX",
     "MISSING",
+    "PACK_LIMIT",
+    "PACK_MAX_BYTES",
+    "PACK_SUFFIX",
     "DiskStore",
+    "StoredEntry",
     "empty_stats",
     "prepare_cache_dir",
     "read_entry",
     "read_blob",
     "read_header",
+    "read_index",
+    "read_packed",
+    "remove_packed",
+    "stored_entries",
     "sweep_temp_files",
     "write_entry",
 ]
 
 DISK_MAGIC = b"MCDISK\r\n"
-DISK_FORMAT_VERSION = 1
+DISK_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 2 added packs; entry files and record headers are laid out as in 1
 ENTRY_SUFFIX = ".mcache"
+PACK_SUFFIX = ".mcpack"
+INDEX_SUFFIX = ".mcidx"
+PACK_LIMIT = 256 << 10
+"""Entries whose record (64-byte header + encoded blob, before compression) is smaller than this are appended
+to a pack instead of getting a file of their own. A file wastes up to one file-system block (4 KiB) plus an
+inode: 25% of a 16 KiB item, and at most 1.6% from 256 KiB up. Larger entries keep their own file and, with it,
+streaming reads and per-entry removal."""
+PACK_MAX_BYTES = 256 << 20
+"""A writer starts a new pack once its current one holds this many bytes (bounds what one lost or damaged
+pack takes with it, and keeps packs easy to copy)."""
+INDEX_MAGIC = b"MCPKIDX\n"
+_INDEX_HEAD = struct.Struct("<8sHHI")  # magic, disk format version, record size, CRC-32 of bytes 0..11
+_INDEX_REC = struct.Struct("<16sQQQII")  # key tag, offset, length, write time (ns), flags, CRC-32 of bytes 0..43
+INDEX_REMOVED = 1  # index record flag: the record was found bad and removed (``monai-cache verify --remove``)
+INDEX_HEADER_SIZE = _INDEX_HEAD.size  # 16
+INDEX_RECORD_SIZE = _INDEX_REC.size  # 48
+_Loc = tuple[str, int, int, int]  # a packed record: pack name, offset, length, write time (ns)
+RELIST_SECONDS = 0.5
+"""On a miss, a reader lists the directory again for new pack indexes when it changed, but at most this often:
+a directory of 10^5 large entry files takes tens of milliseconds to list, and it changes with every entry file
+written. A pack discovered late only costs a recomputed item."""
 _TMP_SUFFIX = ".tmp"
 _HEADER = struct.Struct("<8sHHIQQII16sII")
 HEADER_SIZE = _HEADER.size  # 64
@@ -159,7 +202,7 @@ def read_header(head: bytes | bytearray | memoryview, key: str | None = None, fi
         raise codec.CorruptEntryError("not a monai_cache disk entry (bad magic number)")
     if zlib.crc32(bytes(head[:60])) != hcrc:
         raise codec.CorruptEntryError("header checksum mismatch")
-    if version != DISK_FORMAT_VERSION or hsize != HEADER_SIZE:
+    if version not in _READABLE_VERSIONS or hsize != HEADER_SIZE:
         raise codec.CorruptEntryError(
             f"disk format version {version} (header {hsize} bytes) is not supported; this reads {DISK_FORMAT_VERSION}"
         )
@@ -237,8 +280,10 @@ def _decompressor() -> Any:
     return dctx
 
 
-def write_entry(fd: int, key: str, enc: codec.Encoded, level: int | None = 1, threads: int = 0) -> int:
-    """Write a complete entry (header + payload) to ``fd``, positioned at offset 0 of an empty file.
+def write_entry(
+    fd: int, key: str, enc: codec.Encoded, level: int | None = 1, threads: int = 0, offset: int = 0
+) -> int:
+    """Write a complete entry (header + payload) to ``fd`` at ``offset`` (0: an empty entry file; a pack's end).
 
     Args:
         fd: a file descriptor opened for writing.
@@ -246,11 +291,12 @@ def write_entry(fd: int, key: str, enc: codec.Encoded, level: int | None = 1, th
         enc: the encoded item.
         level: zstd level, or ``None`` to store the blob uncompressed.
         threads: zstd worker threads (0: compress in the calling thread; -1: one per CPU).
+        offset: where the record starts.
 
     Returns:
-        the file size.
+        the record size (header + payload).
     """
-    os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
+    os.lseek(fd, offset + HEADER_SIZE, os.SEEK_SET)
     sink = _Sink(fd)
     if level is None:
         for chunk in enc.chunks():
@@ -269,7 +315,7 @@ def write_entry(fd: int, key: str, enc: codec.Encoded, level: int | None = 1, th
             raise
         flags = FLAG_ZSTD
     head = _pack_header(flags, enc.nbytes, sink.n, sink.crc, key)
-    if os.pwrite(fd, head, 0) != HEADER_SIZE:  # pragma: no cover - a 64-byte pwrite is not split
+    if os.pwrite(fd, head, offset) != HEADER_SIZE:  # pragma: no cover - a 64-byte pwrite is not split
         raise OSError(errno.EIO, "short header write")
     return HEADER_SIZE + sink.n
 
@@ -291,12 +337,17 @@ def _buffer(n: int) -> memoryview:
         raise codec.CorruptEntryError(f"cannot allocate {n} bytes for the entry") from None
 
 
-def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
-    """Read and check the entry in ``fd``; return its codec blob (a fresh, writable buffer) and the file size.
+def read_blob(
+    fd: int, key: str | None = None, offset: int = 0, length: int | None = None, tag: bytes | None = None
+) -> tuple[memoryview, int]:
+    """Read and check the entry in ``fd``; return its codec blob (a fresh, writable buffer) and the record size.
 
     Args:
-        fd: a file descriptor of the entry file, opened for reading.
-        key: the entry key the file must hold; ``None`` skips the key check.
+        fd: a file descriptor of the entry file or pack, opened for reading.
+        key: the entry key the record must hold; ``None`` skips the key check.
+        offset: where the record starts (a packed record's offset; 0 for an entry file).
+        length: the record's size as its index records it; ``None``: the record is the whole file.
+        tag: the key tag the record must hold (when the key itself is not known, e.g. checking a pack's index).
 
     Raises:
         CorruptEntryError: any check failed.
@@ -305,18 +356,25 @@ def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise codec.CorruptEntryError("not a regular file")
-    head = os.pread(fd, HEADER_SIZE, 0)
+    if length is not None and offset + length > st.st_size:
+        raise codec.CorruptEntryError(f"truncated pack: the record ends at {offset + length}, the pack at {st.st_size}")
+    head = os.pread(fd, HEADER_SIZE, offset)
     if len(head) < HEADER_SIZE:
         raise codec.CorruptEntryError("empty file" if not head else f"truncated: {len(head)} bytes")
-    h = read_header(head, key, st.st_size)
+    h = read_header(head, key, st.st_size if length is None else None)
+    size = HEADER_SIZE + h["stored_len"]
+    if length is not None and size != length:
+        raise codec.CorruptEntryError(f"the record has {size} bytes, its index says {length}")
+    if tag is not None and h["key_tag"] != tag:
+        raise codec.CorruptEntryError("the record belongs to another entry (key tag mismatch)")
     if h["compressed"] and h["stored_len"] >= STREAM_READ_BYTES and zstd is not None:
-        return _read_streaming(fd, h), st.st_size
+        return _read_streaming(fd, h, offset), size
     view = _buffer(h["stored_len"])
-    _read_exact(fd, view, HEADER_SIZE)
+    _read_exact(fd, view, offset + HEADER_SIZE)
     if zlib.crc32(view) != h["crc"]:
         raise codec.CorruptEntryError("payload checksum mismatch")
     if not h["compressed"]:
-        return view, st.st_size
+        return view, size
     if zstd is None:  # pragma: no cover
         raise codec.CorruptEntryError("entry is zstd-compressed and the 'zstandard' package is not installed")
     out = _buffer(h["blob_len"])
@@ -334,7 +392,7 @@ def read_blob(fd: int, key: str | None = None) -> tuple[memoryview, int]:
     if pos != out.nbytes or extra:
         got = f"more than {pos}" if extra else str(pos)
         raise codec.CorruptEntryError(f"payload decompresses to {got} bytes, expected {out.nbytes}")
-    return out, st.st_size
+    return out, size
 
 
 STREAM_READ_BYTES = 64 << 20
@@ -365,10 +423,10 @@ class _CheckedReader:
             self.read(1 << 24)
 
 
-def _read_streaming(fd: int, h: dict) -> memoryview:
+def _read_streaming(fd: int, h: dict, offset: int = 0) -> memoryview:
     """Decompress a large payload from ``fd`` into a fresh buffer, checking the payload CRC as it goes."""
     out = _buffer(h["blob_len"])
-    src = _CheckedReader(fd, HEADER_SIZE, h["stored_len"])
+    src = _CheckedReader(fd, offset + HEADER_SIZE, h["stored_len"])
     error = None
     try:
         with _decompressor().stream_reader(src, read_size=1 << 22, read_across_frames=False, closefd=False) as r:
@@ -413,6 +471,194 @@ def read_entry(path: str, key: str | None = None, allow_pickle: bool = False) ->
     finally:
         os.close(fd)
     return codec.decode(blob, allow_pickle=allow_pickle)
+
+
+# ----------------------------------------------------------------------------------------------- packs
+_PACK_STEM = re.compile(r"pack\.[0-9a-f]{8}\.[0-9]+\.[0-9]+")
+
+
+def is_pack_file(name: str) -> bool:
+    """Whether ``name`` is the name of a pack (``pack.<host>.<pid>.<n>.mcpack``) or of its index (``.mcidx``).
+
+    Args:
+        name: a file name (no directory).
+    """
+    for suffix in (PACK_SUFFIX, INDEX_SUFFIX):
+        if name.endswith(suffix):
+            return _PACK_STEM.fullmatch(name[: -len(suffix)]) is not None
+    return False
+
+
+def _index_header() -> bytes:
+    head = _INDEX_HEAD.pack(INDEX_MAGIC, DISK_FORMAT_VERSION, INDEX_RECORD_SIZE, 0)
+    return head[:12] + struct.pack("<I", zlib.crc32(head[:12]))
+
+
+def _index_record(tag: bytes, offset: int, length: int, stamp: int, flags: int = 0) -> bytes:
+    rec = _INDEX_REC.pack(tag, offset, length, stamp, flags, 0)
+    return rec[:44] + struct.pack("<I", zlib.crc32(rec[:44]))
+
+
+def _supersedes(new: _Loc, old: _Loc | None) -> bool:
+    """Whether record ``new`` replaces ``old`` for a key: later in the same pack, else written later."""
+    return old is None or new[0] == old[0] or new[3] >= old[3]
+
+
+def read_index(path: str, pos: int = 0) -> tuple[list[tuple[bytes, int, int, int, int]], int, bool]:
+    """Read the complete, valid records of a pack index from byte ``pos`` on (removed ones left out).
+
+    Reading stops at the first record that is incomplete (being written) or fails its CRC (torn by a killed
+    writer; its writer never appends after a failed write, so nothing valid follows it).
+
+    Args:
+        path: the ``.mcidx`` file.
+        pos: where to start (0: the beginning; else a position this function returned).
+
+    Returns:
+        ``([(key tag, record offset, record length, write time in ns, position of the index record), ...],
+        position after the last record read, torn)``: the position is -1 when the file is not an index (foreign, damaged
+        header, unknown version); ``torn`` says that reading stopped at a complete record that failed its CRC.
+
+    Raises:
+        OSError: the file could not be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return [], -1, False
+        if pos == 0:
+            head = os.pread(fd, INDEX_HEADER_SIZE, 0)
+            if len(head) < INDEX_HEADER_SIZE:
+                return [], (0 if INDEX_MAGIC.startswith(head[:8]) else -1), False  # being created, or foreign
+            magic, version, rec_size, hcrc = _INDEX_HEAD.unpack(head)
+            if (
+                magic != INDEX_MAGIC
+                or zlib.crc32(head[:12]) != hcrc
+                or version != DISK_FORMAT_VERSION
+                or rec_size != INDEX_RECORD_SIZE
+            ):
+                return [], -1, False
+            pos = INDEX_HEADER_SIZE
+        n = max(0, st.st_size - pos) // INDEX_RECORD_SIZE
+        data = os.pread(fd, n * INDEX_RECORD_SIZE, pos) if n else b""
+    finally:
+        os.close(fd)
+    out: list[tuple[bytes, int, int, int, int]] = []
+    for start in range(0, len(data) - INDEX_RECORD_SIZE + 1, INDEX_RECORD_SIZE):
+        tag, offset, length, stamp, flags, crc = _INDEX_REC.unpack_from(data, start)
+        if zlib.crc32(data[start : start + 44]) != crc or length < HEADER_SIZE:
+            return out, pos, True
+        if not flags & INDEX_REMOVED:
+            out.append((tag, offset, length, stamp, pos))
+        pos += INDEX_RECORD_SIZE
+    return out, pos, False
+
+
+class StoredEntry(NamedTuple):
+    """Where one entry is stored: a whole ``.mcache`` file, or a record of a pack."""
+
+    path: str
+    """The entry file, or the pack file."""
+    offset: int
+    """Where the record starts (0 for an entry file)."""
+    length: int
+    """Record size: header + stored payload (for an entry file, its size)."""
+    tag: bytes | None
+    """The key tag from the pack's index (``None`` for an entry file: its name is the key)."""
+    index_path: str | None = None
+    """The pack's index file (``None`` for an entry file, or when not known)."""
+    index_pos: int = -1
+    """Where the record's index record is in ``index_path``."""
+
+    @property
+    def packed(self) -> bool:
+        """Whether the entry is a record in a pack."""
+        return self.tag is not None
+
+
+def stored_entries(directory: str, superseded: bool = False) -> Iterator[StoredEntry]:
+    """The entries in a cache directory: entry files (not opened), then the indexed records of every pack.
+
+    Args:
+        directory: the cache directory.
+        superseded: also list packed records that a later record of the same key replaced (``verify`` checks
+            them all); by default only the record a reader would use, once per key.
+
+    Raises:
+        OSError: the directory could not be listed.
+    """
+    with os.scandir(directory) as it:
+        names = sorted(e.name for e in it if not e.name.startswith("."))
+    latest: dict[bytes, tuple[StoredEntry, _Loc]] = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.endswith(ENTRY_SUFFIX):
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield StoredEntry(path, 0, st.st_size, None)
+        elif name.endswith(INDEX_SUFFIX) and is_pack_file(name):
+            try:
+                records, _, _ = read_index(path)
+            except OSError:
+                continue
+            pack = path[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
+            for tag, offset, length, stamp, index_pos in records:
+                entry = StoredEntry(pack, offset, length, tag, path, index_pos)
+                loc = (pack, offset, length, stamp)
+                if superseded:
+                    yield entry
+                elif _supersedes(loc, latest[tag][1] if tag in latest else None):
+                    latest[tag] = (entry, loc)
+    for entry, _ in latest.values():
+        yield entry
+
+
+def read_packed(entry: StoredEntry, allow_pickle: bool = False) -> Any:
+    """Read, check and decode one packed record (a helper for tools and tests).
+
+    Args:
+        entry: the record, as :func:`stored_entries` lists it.
+        allow_pickle: decode values stored with pickle.
+
+    Raises:
+        CorruptEntryError: the record is not a valid entry for its indexed key tag.
+        OSError: the pack could not be opened or read.
+    """
+    fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        blob, _ = read_blob(fd, None, entry.offset, entry.length, entry.tag)
+    finally:
+        os.close(fd)
+    return codec.decode(blob, allow_pickle=allow_pickle)
+
+
+def remove_packed(entry: StoredEntry) -> None:
+    """Mark a packed record removed in its index (``monai-cache verify --remove`` of a bad record).
+
+    The record's bytes stay in the pack (other entries share it); readers that load the index from now on
+    skip it, and the entry is recomputed and appended anew when next used. The index record is rewritten in
+    place (its writer only ever writes at the index's end).
+
+    Args:
+        entry: a packed record as :func:`stored_entries` lists it.
+
+    Raises:
+        ValueError: ``entry`` is not a packed record with a known index record.
+        OSError: the index could not be written.
+    """
+    if entry.tag is None or entry.index_path is None or entry.index_pos < INDEX_HEADER_SIZE:
+        raise ValueError(f"not a packed record with a known index record: {entry!r}")
+    fd = os.open(entry.index_path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        rec = _index_record(entry.tag, entry.offset, entry.length, 0, INDEX_REMOVED)
+        if os.pwrite(fd, rec, entry.index_pos) != len(rec):  # pragma: no cover - 48 bytes
+            raise OSError(errno.EIO, "short write to a pack index")
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------- directories
@@ -622,8 +868,66 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_pack_numbers = itertools.count()  # per process: two stores of one process never share a pack
+
+
+class _PackWriter:
+    """The pack (and index) that one store appends to in this process; used under the store's pack lock.
+
+    Both files are opened for each append and closed after it: no descriptor stays open between writes (a
+    file system can be remounted read-only or unmounted between them, and a fork inherits nothing), and a
+    pack removed meanwhile (cache cleared) is noticed as a missing file.
+    """
+
+    __slots__ = ("index_size", "name", "size")
+
+    def __init__(self, directory: str, fsync: bool) -> None:
+        self.size, self.index_size = 0, INDEX_HEADER_SIZE
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        while True:
+            self.name = os.path.join(directory, f"pack.{_HOST_TAG}.{os.getpid()}.{next(_pack_numbers)}")
+            try:
+                pack_fd = os.open(self.name + PACK_SUFFIX, flags, 0o600)
+            except FileExistsError:  # left by an earlier process that had our pid: never append to its pack
+                continue
+            try:
+                index_fd = os.open(self.name + INDEX_SUFFIX, flags, 0o600)
+            except BaseException as e:
+                os.close(pack_fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.name + PACK_SUFFIX)
+                if isinstance(e, FileExistsError):
+                    continue
+                raise
+            break
+        try:
+            head = _index_header()
+            if os.pwrite(index_fd, head, 0) != len(head):  # pragma: no cover - 16 bytes are not split
+                raise OSError(errno.EIO, "short write to a pack index")
+            if fsync:
+                os.fsync(index_fd)
+                os.fsync(pack_fd)
+                dfd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        finally:
+            os.close(pack_fd)
+            os.close(index_fd)
+
+
+_NO_FILE: Any = object()  # DiskStore._get_file: there is no entry file for the key
+_BAD: Any = object()  # DiskStore._get_packed: the record is bad (reported)
+_GONE: Any = object()  # DiskStore._get_packed: the pack no longer exists
+
+
 class DiskStore:
-    """Cache files in one directory, named by key; reads are checked, writes are atomic and asynchronous.
+    """Cache entries in one directory; reads are checked, writes are atomic (or appended) and asynchronous.
+
+    Entries whose record (64-byte header + encoded item) is smaller than ``pack_limit`` are appended to this
+    process's pack (``pack.<host>.<pid>.<n>.mcpack``, indexed by ``.mcidx``); larger ones get their own file,
+    ``<key>.mcache``.
 
     Args:
         directory: an existing directory (see :func:`prepare_cache_dir`).
@@ -640,13 +944,17 @@ class DiskStore:
             a single larger item is still accepted when nothing else is pending.
         writable: False to only read (no file is ever written or removed).
         describe: names an entry key in warnings (e.g. with the data item); default: the key.
+        pack_limit: records (header + encoded item, before compression) smaller than this many bytes are
+            packed; 0 gives every entry its own file. Packed entries written by others are read either way.
     """
 
     __slots__ = (
-        "__weakref__", "_bad_reported", "_cond", "_counts", "_describe", "_disabled", "_pending",
-        "_pending_bytes", "_pid", "_shared", "_thread", "_tmp_counter", "_unsupported", "_warned_io",
-        "_writing", "allow_pickle", "async_writes", "compression", "compression_level", "compression_threads",
-        "directory", "downcast", "fsync", "lossy", "max_pending_bytes", "max_pending_writes", "writable",
+        "__weakref__", "_bad_reported", "_cond", "_counts", "_describe", "_disabled", "_pack_lock", "_packer",
+        "_pending", "_pending_bytes", "_pid", "_pk_bad", "_pk_dir_mtime", "_pk_listed_at", "_pk_loaded",
+        "_pk_lock", "_pk_map", "_pk_read", "_pk_unsure", "_shared", "_thread", "_tmp_counter", "_unsupported",
+        "_warned_io", "_writing", "allow_pickle", "async_writes", "compression", "compression_level",
+        "compression_threads", "directory", "downcast", "fsync", "lossy", "max_pending_bytes", "max_pending_writes",
+        "pack_limit", "writable",
     )
 
     def __init__(
@@ -665,6 +973,7 @@ class DiskStore:
         max_pending_bytes: int | str = "512MiB",
         writable: bool = True,
         describe: Any = None,
+        pack_limit: int = PACK_LIMIT,
     ) -> None:
         if compression not in (None, "zstd", "none"):
             raise ValueError(f"compression must be 'zstd' or None, got {compression!r}")
@@ -690,6 +999,9 @@ class DiskStore:
         self.max_pending_writes = int(max_pending_writes)
         self.max_pending_bytes = int(parse_bytes(max_pending_bytes, "max_pending_bytes") or 0)
         self.writable = bool(writable)
+        if isinstance(pack_limit, bool) or not isinstance(pack_limit, int) or pack_limit < 0:
+            raise ValueError(f"pack_limit must be an int >= 0, got {pack_limit!r}")
+        self.pack_limit = pack_limit
         self._describe = describe
         self._shared = _SharedCounters()
         self._init_runtime()
@@ -709,11 +1021,28 @@ class DiskStore:
         self._unsupported: set[str] = set()
         self._disabled: str | None = disabled if self.writable else "read-only store"
         self._warned_io = False
+        # appending: this process's own pack (never the parent's: one process appends to a pack)
+        self._pack_lock = threading.Lock()
+        self._packer: _PackWriter | None = None
+        # reading packs: key tag -> (pack name, record offset, record length), from the index files
+        self._pk_lock = threading.Lock()
+        self._pk_map: dict[bytes, _Loc] = {}
+        self._pk_read: dict[str, list[int]] = {}  # index name -> [position read up to, size then]
+        self._pk_bad: set[tuple[str, int]] = set()  # records found bad: never served again
+        self._pk_loaded = False
+        self._pk_dir_mtime = -1
+        self._pk_listed_at = -RELIST_SECONDS
+        self._pk_unsure = False
 
     def _reset_after_fork(self) -> None:
         # The writer thread does not exist in the child and the parent writes its own pending items; a
-        # reason not to write (unwritable directory, full disk) still holds.
+        # reason not to write (unwritable directory, full disk) still holds. What the parent read of the
+        # pack indexes stays valid (append-only files): keep it rather than re-read every index.
+        known = (self._pk_map, self._pk_read, self._pk_bad, self._pk_loaded, self._pk_dir_mtime, self._pk_listed_at,
+                 self._pk_unsure)
         self._init_runtime(self._disabled)
+        (self._pk_map, self._pk_read, self._pk_bad, self._pk_loaded, self._pk_dir_mtime, self._pk_listed_at,
+         self._pk_unsure) = known
 
     def __getstate__(self) -> dict:
         state = {name: getattr(self, name) for name in self.__slots__ if not name.startswith("_")}
@@ -732,12 +1061,95 @@ class DiskStore:
         return f"DiskStore({self.directory!r}, {level}, {'async' if self.async_writes else 'sync'})"
 
     def path(self, key: str) -> str:
-        """The file of entry ``key``.
+        """The entry file of ``key`` (``<key>.mcache``): where a large entry is, or would be, stored.
+
+        A packed entry has no file of its own; :meth:`location` says where it is.
 
         Args:
             key: the entry key (letters, digits, ``_.-``; it becomes the file name).
         """
         return os.path.join(self.directory, key + ENTRY_SUFFIX)
+
+    def location(self, key: str) -> StoredEntry | None:
+        """Where the entry of ``key`` is stored (its packed record, else its entry file), or None (not checked).
+
+        Args:
+            key: the entry key.
+        """
+        loc = self._locate(key, refresh=True)
+        if loc is not None and not os.path.exists(os.path.join(self.directory, loc[0])):
+            self._forget(key, loc)  # its pack was removed
+            loc = self._locate(key, refresh=True)
+        if loc is not None:
+            return StoredEntry(os.path.join(self.directory, loc[0]), loc[1], loc[2], key_tag(key))
+        path = self.path(key)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return None
+        return StoredEntry(path, 0, st.st_size, None)
+
+    # -- the pack indexes --
+    def _locate(self, key: str, refresh: bool = False) -> _Loc | None:
+        """The packed record of ``key`` as last read from the indexes; re-read (new tails only) if unknown
+        and ``refresh``. The first call reads every index."""
+        tag = key_tag(key)
+        with self._pk_lock:
+            loc = self._pk_map.get(tag)
+            if loc is None and (refresh or not self._pk_loaded):
+                self._refresh_locked()
+                self._pk_loaded = True
+                loc = self._pk_map.get(tag)
+            return loc
+
+    def _refresh_locked(self) -> None:
+        now = time.monotonic()
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            return
+        # New index files change the directory's mtime. A listing made within the timestamp granularity of
+        # the last change may miss a file created in the same tick: list again next time then.
+        if now - self._pk_listed_at >= RELIST_SECONDS and (mtime != self._pk_dir_mtime or self._pk_unsure):
+            self._pk_dir_mtime, self._pk_listed_at = mtime, now
+            self._pk_unsure = time.time_ns() - mtime < 2_000_000_000
+            try:
+                with os.scandir(self.directory) as it:
+                    for entry in it:
+                        name = entry.name
+                        if name not in self._pk_read and name.endswith(INDEX_SUFFIX) and is_pack_file(name):
+                            self._pk_read[name] = [0, -1]
+            except OSError:
+                return
+        for name, state in list(self._pk_read.items()):
+            pos, seen = state
+            if pos < 0:
+                continue  # not an index (foreign or damaged header)
+            path = os.path.join(self.directory, name)
+            try:
+                size = os.stat(path, follow_symlinks=False).st_size
+            except FileNotFoundError:  # cleared: forget its records (a new pack may get the name)
+                del self._pk_read[name]
+                pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
+                for tag in [t for t, loc in self._pk_map.items() if loc[0] == pack]:
+                    del self._pk_map[tag]
+                continue
+            except OSError:
+                continue
+            if size == seen:
+                continue
+            try:
+                records, state[0], torn = read_index(path, pos)
+            except OSError:
+                continue
+            # after a record that fails its CRC, read again next time even if the size stays: it may have been
+            # seen while ``verify --remove`` rewrote it in place
+            state[1] = -1 if torn else size
+            pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
+            for tag, offset, length, stamp, _ in records:
+                loc = (pack, offset, length, stamp)
+                if (pack, offset) not in self._pk_bad and _supersedes(loc, self._pk_map.get(tag)):
+                    self._pk_map[tag] = loc
 
     def _name(self, key: str) -> str:
         return self._describe(key) if self._describe is not None else key
@@ -757,13 +1169,15 @@ class DiskStore:
         with self._cond:
             if key in self._pending:
                 return True
-        return os.path.exists(self.path(key))
+        return self._locate(key, refresh=True) is not None or os.path.exists(self.path(key))
 
     def get(self, key: str) -> Any:
         """The item stored under ``key``, or :data:`MISSING`.
 
         A write still pending in this process is served from memory (a private copy). A file that fails a
-        check is reported once, removed, and counted as corrupt; the caller then recomputes the item.
+        check is reported once, removed, and counted as corrupt; the caller then recomputes the item. A
+        packed record that fails a check is reported once and never read again by this process; the
+        recomputed item is appended anew and its record supersedes the bad one for every reader.
 
         Args:
             key: the entry key.
@@ -773,12 +1187,107 @@ class DiskStore:
         if pending is not None:
             self._count(hits=1)
             return copy.deepcopy(pending[0])
+        loc = self._locate(key)
+        if loc is None:
+            item = self._get_file(key)
+            if item is not _NO_FILE:
+                return item
+            loc = self._locate(key, refresh=True)  # written by another process since we last looked?
+        for _ in range(4):
+            if loc is None:
+                break
+            item = self._get_packed(key, loc)
+            if item is _GONE:  # its pack was removed (cache cleared): rewritten elsewhere since?
+                loc = self._locate(key, refresh=True)
+            elif item is _BAD:
+                loc = self._locate(key)  # another record of the key that _bad_record found, if any
+            else:
+                return item
+        self._count(misses=1)
+        return MISSING
+
+    def _get_packed(self, key: str, loc: _Loc) -> Any:
+        """The item in a packed record; ``_BAD`` (reported) if the record is bad, ``_GONE`` if its pack is."""
+        name, offset, length, _ = loc
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):  # the pack was removed (cache cleared)
+            self._forget(key, loc)
+            return _GONE
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                self._bad_record(key, loc, "the pack is a symbolic link")
+                return _BAD
+            self._warn_io(f"cannot open cache pack {path}: {e.strerror or e}")
+            self._count(misses=1)
+            return MISSING
+        try:
+            blob, size = read_blob(fd, key, offset, length)
+            item = codec.decode(blob, allow_pickle=self.allow_pickle)
+        except codec.CorruptEntryError as e:
+            self._bad_record(key, loc, str(e))
+            return _BAD
+        except OSError as e:
+            self._warn_io(f"cannot read cache pack {path}: {e.strerror or e}")
+            self._count(misses=1)
+            return MISSING
+        except Exception as e:  # whatever a damaged or crafted record provokes in decoding: never crash training
+            self._bad_record(key, loc, f"cannot decode: {e!r}")
+            return _BAD
+        finally:
+            os.close(fd)
+        self._count(hits=1, bytes_read=size)
+        return item
+
+    def _forget(self, key: str, loc: _Loc, bad: bool = False) -> None:
+        tag = key_tag(key)
+        with self._pk_lock:
+            if self._pk_map.get(tag) == loc:
+                del self._pk_map[tag]
+            if not bad:
+                return
+            self._pk_bad.add(loc[:2])
+            # Another process may have rewritten the key in its own pack, and which of the two records the
+            # indexes gave us depends on the order they were read in: look for the latest record that is not
+            # known bad (reads every index again; only ever done for a bad record).
+            alternative: _Loc | None = None
+            for name in sorted(self._pk_read):
+                if self._pk_read[name][0] < 0:
+                    continue
+                try:
+                    records, _, _ = read_index(os.path.join(self.directory, name))
+                except OSError:
+                    continue
+                pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
+                for t, offset, length, stamp, _ in records:
+                    other = (pack, offset, length, stamp)
+                    if t == tag and (pack, offset) not in self._pk_bad and _supersedes(other, alternative):
+                        alternative = other
+            if alternative is not None and tag not in self._pk_map:
+                self._pk_map[tag] = alternative
+
+    def _bad_record(self, key: str, loc: _Loc, why: str) -> None:
+        """Never serve this record again (in this process); report it once per entry and process."""
+        self._forget(key, loc, bad=True)
+        self._count(corrupt=1)
+        if key in self._bad_reported:
+            return
+        self._bad_reported.add(key)
+        action = "will be recomputed" if self._disabled is None else "is ignored"
+        where = os.path.join(self.directory, loc[0])
+        warn(
+            f"corrupt disk cache record for {self._name(key)} ({why}): {where} at offset {loc[1]} {action}",
+            stacklevel=5,
+        )
+
+    def _get_file(self, key: str) -> Any:
+        """The item in the entry file of ``key``; :data:`MISSING` if it is bad, ``_NO_FILE`` if there is none."""
         path = self.path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory at all)
-            self._count(misses=1)
-            return MISSING
+            return _NO_FILE
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink planted under an entry name
                 self._discard(key, path, None, "it is a symbolic link")
@@ -951,22 +1460,24 @@ class DiskStore:
             self.directory, f".{key[:16]}.{_HOST_TAG}.{os.getpid()}.{kind}{next(self._tmp_counter)}{_TMP_SUFFIX}"
         )
 
-    def write(self, key: str, item: Any) -> bool:
-        """Encode and write ``item`` now (atomically). Returns True if the file exists afterwards.
+    def write(self, key: str, item: Any, replace: bool = False) -> bool:
+        """Encode and write ``item`` now (atomically, or appended to this process's pack). Returns True if an
+        entry for ``key`` exists afterwards.
 
-        An existing file for ``key`` is kept (another worker or rank wrote the same item). Values that the
-        codec cannot store are reported once and the item is not cached; a full disk or an unwritable
-        directory is reported once and disables writing in this store.
+        An existing entry for ``key`` is kept (another worker or rank wrote the same item) unless ``replace``.
+        Values that the codec cannot store are reported once and the item is not cached; a full disk or an
+        unwritable directory is reported once and disables writing in this store.
 
         Args:
             key: the entry key.
             item: the value to store.
+            replace: write even if an entry exists; the new one supersedes it (packed: a later record).
         """
         if self._disabled is not None:
             self._count(skipped=1)
             return False
         final = self.path(key)
-        if os.path.exists(final):
+        if not replace and (self._locate(key) is not None or os.path.exists(final)):
             self._count(skipped=1)
             return True
         try:
@@ -977,12 +1488,20 @@ class DiskStore:
             if self._shared.first(WARNED_UNSUPPORTED):
                 warn(f"{self._name(key)} is not cached: {e}", stacklevel=4)
             return False
+        level = self.compression_level if self.compression else None
+        if HEADER_SIZE + enc.nbytes < self.pack_limit:
+            try:
+                written = self._append(key, enc, level)
+            except OSError as e:
+                self._write_failed(key, e, enc.nbytes)
+                return False
+            self._count(writes=1, bytes_written=written, bytes_raw=_nbytes(item), bytes_encoded=enc.nbytes)
+            return True
         tmp = self._tmp_path(key)
         written = 0
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
-                level = self.compression_level if self.compression else None
                 written = write_entry(fd, key, enc, level, self.compression_threads)
                 if self.fsync:
                     os.fsync(fd)
@@ -999,8 +1518,63 @@ class DiskStore:
             if tmp:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+        loc = self._locate(key)
+        if loc is not None:  # replaced by a file: this process reads the file from now on
+            self._forget(key, loc)
         self._count(writes=1, bytes_written=written, bytes_raw=_nbytes(item), bytes_encoded=enc.nbytes)
         return True
+
+    def _open_pack(self) -> tuple[_PackWriter, int]:
+        """This process's current pack (a new one when there is none, it is full, or it was removed) and a
+        descriptor of it open for writing; called with the pack lock held."""
+        w = self._packer
+        if w is not None and w.size < PACK_MAX_BYTES:
+            try:
+                return w, os.open(w.name + PACK_SUFFIX, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:  # removed (cache cleared): start a new pack
+                pass
+        self._packer = None
+        w = self._packer = _PackWriter(self.directory, self.fsync)
+        return w, os.open(w.name + PACK_SUFFIX, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    def _append(self, key: str, enc: codec.Encoded, level: int | None) -> int:
+        """Append the entry to this process's pack, then its index record; returns the bytes written."""
+        tag = key_tag(key)
+        with self._pack_lock:
+            w, pack_fd = self._open_pack()
+            offset = w.size
+            indexed = False
+            try:
+                index_fd = os.open(w.name + INDEX_SUFFIX, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    n = write_entry(pack_fd, key, enc, level, self.compression_threads, offset)
+                    if self.fsync:
+                        os.fsync(pack_fd)  # the record is on disk before any index record points to it
+                    stamp = time.time_ns()
+                    rec = _index_record(tag, offset, n, stamp)
+                    if os.pwrite(index_fd, rec, w.index_size) != len(rec):  # pragma: no cover - 48 bytes
+                        raise OSError(errno.EIO, "short write to a pack index")
+                    indexed = True
+                    if self.fsync:
+                        os.fsync(index_fd)
+                finally:
+                    os.close(index_fd)
+            except BaseException:
+                # The tail of this pack (or its index) is now unknown: never append to it again. Give back
+                # the space of a record no index record points to.
+                if not indexed:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(pack_fd, offset)
+                self._packer = None
+                raise
+            finally:
+                os.close(pack_fd)
+            w.size = offset + n
+            w.index_size += INDEX_RECORD_SIZE
+            loc = (os.path.basename(w.name) + PACK_SUFFIX, offset, n, stamp)
+        with self._pk_lock:
+            self._pk_map[tag] = loc
+        return n + INDEX_RECORD_SIZE
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY | os.O_CLOEXEC)
@@ -1115,16 +1689,15 @@ class DiskStore:
 
         ``process`` counts this process only; ``total`` adds up this process and every process forked from
         the one that created the store (DataLoader workers). Keys: ``hits``, ``misses``, ``corrupt``,
-        ``unsupported``, ``writes`` (files written), ``write_errors``, ``skipped`` (writes not needed or not
-        possible), ``writes_pending``, ``bytes_read``, ``bytes_written`` (file bytes), ``bytes_raw`` (the
+        ``unsupported``, ``writes`` (entries written: files or packed records), ``write_errors``, ``skipped``
+        (writes not needed or not possible), ``writes_pending``, ``bytes_read``, ``bytes_written`` (file bytes,
+        pack index records included), ``bytes_raw`` (the
         written items' tensor bytes in memory), ``bytes_encoded`` (codec blob bytes, after downcasting) and
         ``compression_ratio`` (``bytes_raw / bytes_written``).
         """
         return {"process": _with_ratio(dict(self._counts)), "total": _with_ratio(self._shared.snapshot())}
 
-    def entries(self) -> Iterator[os.DirEntry]:
-        """The entry files in the directory (any key)."""
-        with os.scandir(self.directory) as it:
-            for entry in it:
-                if entry.name.endswith(ENTRY_SUFFIX) and not entry.name.startswith("."):
-                    yield entry
+    def entries(self) -> Iterator[StoredEntry]:
+        """The entries in the directory (any key, any writer): entry files and the packed records readers use
+        (one per key; see :func:`stored_entries`)."""
+        return stored_entries(self.directory)

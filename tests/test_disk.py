@@ -2,6 +2,10 @@
 
 Everything here uses real files, real processes (forked, SIGKILLed), real mounts (a tiny and a read-only
 tmpfs, skipped where mounting is not permitted). Nothing is mocked; the only patching slows writes down.
+
+Tests about the entry file itself (its format, damaged files, renames, races between renames) give every
+entry its own file (``pack_limit=0``, or items above ``PACK_LIMIT``); ``tests/test_disk_pack.py`` checks
+the same properties for records packed into shared files, which is where small items go by default.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monai_cache import codec, disk
-from monai_cache.disk import HEADER_SIZE, MISSING, DiskStore, read_entry, read_header
+from monai_cache.disk import HEADER_SIZE, INDEX_RECORD_SIZE, MISSING, DiskStore, read_entry, read_header
 
 FORK = multiprocessing.get_context("fork")
 
@@ -76,6 +80,13 @@ def mounted_tmpfs(path: str, options: str):
         subprocess.run(["umount", "-l", path], check=False)
 
 
+def read_back(directory, key: str, nbytes: int = 64 << 10) -> None:
+    """A fresh store (as another process would open it) serves ``key``, equal to ``item_for(key, nbytes)``."""
+    got = DiskStore(directory, writable=False).get(key)
+    assert got is not MISSING, key
+    assert_same(got, item_for(key, nbytes))
+
+
 def monai_cache_warnings(records) -> list[str]:
     return [str(w.message) for w in records if "monai_cache" in str(w.message)]
 
@@ -94,16 +105,22 @@ class SlowWrites:
 
 
 # ---------------------------------------------------------------------------------------------- format
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("compression", ["zstd", None])
 @pytest.mark.parametrize("async_writes", [True, False])
-def test_roundtrip_modes_and_permissions(tmp_path, compression, async_writes):
-    store = DiskStore(tmp_path, compression=compression, async_writes=async_writes)
+def test_roundtrip_modes_and_permissions(tmp_path, compression, async_writes, packed):
+    limit = disk.PACK_LIMIT if packed else 0
+    store = DiskStore(tmp_path, compression=compression, async_writes=async_writes, pack_limit=limit)
     item = item_for("a")
     item["meta"] = {"affine": np.diag([1.5, 1.5, 2.0, 1.0]), "name": "x.nii.gz", "n": np.int64(3)}
     store.put("a", item)
     assert store.flush(10)
-    path = store.path("a")
-    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    loc = store.location("a")
+    assert loc is not None and loc.packed == packed
+    path = loc.path
+    assert path == store.path("a") or packed
+    for name in os.listdir(tmp_path):  # entry file, or pack and its index
+        assert oct(os.stat(tmp_path / name).st_mode & 0o777) == "0o600"
     got = store.get("a")
     assert torch.equal(got["image"], item["image"]) and got["image"].dtype == torch.float32
     assert torch.equal(got["label"], item["label"]) and got["label"].dtype == torch.float32
@@ -112,7 +129,8 @@ def test_roundtrip_modes_and_permissions(tmp_path, compression, async_writes):
     got["image"].add_(1)  # decoded tensors are writable views of a private buffer
     assert torch.equal(store.get("a")["image"], item["image"])
     s = store.stats()["process"]
-    assert s["writes"] == 1 and s["hits"] == 2 and s["bytes_written"] == os.path.getsize(path)
+    assert s["writes"] == 1 and s["hits"] == 2
+    assert s["bytes_written"] == os.path.getsize(path) + (INDEX_RECORD_SIZE if packed else 0)
     assert s["bytes_encoded"] < s["bytes_raw"]  # the float32 label map was stored as uint8
     if compression:
         assert s["compression_ratio"] > 2
@@ -120,14 +138,14 @@ def test_roundtrip_modes_and_permissions(tmp_path, compression, async_writes):
 
 def test_format_matches_the_documented_spec(tmp_path):
     """Read a file with nothing but struct, zlib and zstandard, as docs/disk-format.md describes."""
-    store = DiskStore(tmp_path, async_writes=False, compression_level=3)
+    store = DiskStore(tmp_path, async_writes=False, compression_level=3, pack_limit=0)
     item = item_for("spec")
     store.put("spec", item)
     raw = open(store.path("spec"), "rb").read()
     magic, version, hsize, flags, blob_len, stored_len, crc, codec_version, tag, reserved, hcrc = struct.unpack(
         "<8sHHIQQII16sII", raw[:64]
     )
-    assert (magic, version, hsize, flags, reserved) == (b"MCDISK\r\n", 1, 64, 1, 0)
+    assert (magic, version, hsize, flags, reserved) == (b"MCDISK\r\n", 2, 64, 1, 0)
     assert hcrc == zlib.crc32(raw[:60])
     assert tag == hashlib.sha256(b"spec").digest()[:16]
     assert stored_len == len(raw) - 64 and crc == zlib.crc32(raw[64:])
@@ -192,7 +210,7 @@ CORRUPTIONS = [
 @pytest.mark.parametrize("kind", CORRUPTIONS)
 @pytest.mark.parametrize("compression", ["zstd", None])
 def test_corrupt_file_reported_once_removed_and_rewritable(tmp_path, kind, compression):
-    store = DiskStore(tmp_path, async_writes=False, compression=compression)
+    store = DiskStore(tmp_path, async_writes=False, compression=compression, pack_limit=0)
     item = item_for("k")
     store.put("k", item)
     _corrupt(store.path("k"), kind)
@@ -212,7 +230,7 @@ def test_corrupt_file_reported_once_removed_and_rewritable(tmp_path, kind, compr
 
 
 def test_file_under_another_key_is_rejected(tmp_path):
-    store = DiskStore(tmp_path, async_writes=False)
+    store = DiskStore(tmp_path, async_writes=False, pack_limit=0)
     store.put("a", item_for("a"))
     os.link(store.path("a"), store.path("b"))  # a valid file, but for another entry
     with warnings.catch_warnings(record=True) as rec:
@@ -223,7 +241,7 @@ def test_file_under_another_key_is_rejected(tmp_path):
 
 
 def test_symlink_at_entry_name_is_not_followed(tmp_path):
-    store = DiskStore(tmp_path, async_writes=False)
+    store = DiskStore(tmp_path, async_writes=False, pack_limit=0)
     store.put("a", item_for("a"))
     os.symlink(store.path("a"), store.path("b"))
     with pytest.warns(RuntimeWarning, match="symbolic link"):
@@ -234,7 +252,7 @@ def test_symlink_at_entry_name_is_not_followed(tmp_path):
 @pytest.mark.parametrize("compression", ["zstd", None])
 def test_every_single_bit_flip_is_detected(tmp_path, compression):
     """Exhaustive: flipping any one bit of a (small) file makes it rejected, never decoded wrongly."""
-    store = DiskStore(tmp_path, async_writes=False, compression=compression)
+    store = DiskStore(tmp_path, async_writes=False, compression=compression, pack_limit=0)
     store.put("k", {"x": torch.arange(40, dtype=torch.int16), "s": "abc"})
     raw = open(store.path("k"), "rb").read()
     fd = os.open(store.path("k"), os.O_RDWR)
@@ -260,7 +278,9 @@ def test_every_single_bit_flip_is_detected(tmp_path, compression):
 def test_damaged_files_never_raise_anything_but_corrupt(tmp_path, data):
     """Random edits of a valid file (and random files) are rejected or decode to the original item."""
     path = str(tmp_path / "k.mcache")
-    store = DiskStore(tmp_path, async_writes=False, compression=data.draw(st.sampled_from(["zstd", None])))
+    store = DiskStore(
+        tmp_path, async_writes=False, compression=data.draw(st.sampled_from(["zstd", None])), pack_limit=0
+    )
     if not os.path.exists(path):
         store.put("k", {"x": torch.arange(64, dtype=torch.float32) / 7, "n": 1})
     raw = bytearray(open(path, "rb").read())
@@ -296,7 +316,7 @@ def test_planted_pickle_entry_is_never_unpickled(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    writer = DiskStore(tmp_path, async_writes=False, allow_pickle=True)
+    writer = DiskStore(tmp_path, async_writes=False, allow_pickle=True, pack_limit=0)
     writer.put("k", {"image": torch.zeros(4), "evil": Evil()})
     assert os.path.exists(writer.path("k")) and not marker.exists()
     reader = DiskStore(tmp_path, async_writes=False)
@@ -345,7 +365,7 @@ def test_bounded_queue_applies_back_pressure(tmp_path, monkeypatch):
     elapsed = time.perf_counter() - t
     assert max(seen) <= 2
     assert elapsed > 0.15 * 3  # the caller waited for the slow writer
-    assert store.flush(10) and len(os.listdir(tmp_path)) == 6
+    assert store.flush(10) and len(list(store.entries())) == 6
     # by bytes: one 256 KiB item fits a 300 KB budget, two do not
     (tmp_path / "b").mkdir()
     store2 = DiskStore(tmp_path / "b", max_pending_bytes=300_000)
@@ -376,7 +396,7 @@ def test_pending_writes_flushed_when_a_multiprocessing_child_exits(tmp_path):
     p.join(30)
     assert p.exitcode == 0
     for key in "abc":
-        assert_same(read_entry(os.path.join(tmp_path, key + ".mcache")), item_for(key))
+        read_back(tmp_path, key)
 
 
 def test_pending_writes_flushed_when_the_main_process_exits(tmp_path):
@@ -401,7 +421,7 @@ def test_pending_writes_flushed_when_the_main_process_exits(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "2"  # still pending when the script ended
     for key in "ab":
-        assert_same(read_entry(os.path.join(tmp_path, key + ".mcache")), item_for(key))
+        read_back(tmp_path, key)
 
 
 def _child_after_fork(directory: str, q) -> None:
@@ -427,7 +447,10 @@ def test_writer_is_recreated_in_a_forked_child_and_counters_are_shared(tmp_path,
     assert flushed and p.exitcode == 0
     assert child_stats["process"]["writes"] == 1  # the child wrote its own item, not the parent's pending one
     assert store.flush(10)
-    assert sorted(os.listdir(tmp_path)) == ["child.mcache", "parent.mcache"]
+    for key in ("child", "parent"):
+        read_back(tmp_path, key)
+    # each process appended to a pack of its own (the child never appends to its parent's)
+    assert len(list(store.entries())) == 2 and sum(n.endswith(".mcpack") for n in os.listdir(tmp_path)) == 2
     total = store.stats()["total"]
     assert total["writes"] == 2 and store.stats()["process"]["writes"] == 1
     _FORKED_STORE = None
@@ -476,7 +499,7 @@ def test_sigkill_at_random_moments_never_leaves_a_readable_partial_file(tmp_path
 
 def _race_writer(directory: str, keys: list[str], rounds: int) -> None:
     torch.set_num_threads(1)  # as in DataLoader workers: OpenMP pools do not survive fork
-    store = DiskStore(directory, async_writes=False)
+    store = DiskStore(directory, async_writes=False, pack_limit=0)  # races between renames of entry files
     for _ in range(rounds):
         for key in keys:
             with contextlib.suppress(FileNotFoundError):

@@ -119,7 +119,18 @@ def same(a, b, path: str = "item", meta: bool = True) -> None:
 
 
 def files(directory, suffix: str = ".mcache") -> list[str]:
+    """Names of the files ending with ``suffix``; for ``.mcache``: the stored entries, packed records included
+    (named ``<pack>@<offset>``), one per key."""
+    if suffix == ".mcache":
+        return sorted(
+            os.path.basename(e.path) + (f"@{e.offset}" if e.packed else "") for e in disk.stored_entries(str(directory))
+        )
     return sorted(n for n in os.listdir(directory) if n.endswith(suffix))
+
+
+def our_files(directory) -> list[str]:
+    """The files monai_cache wrote: entry files, packs and pack indexes."""
+    return sorted(n for n in os.listdir(directory) if n.endswith((".mcache", ".mcpack", ".mcidx")))
 
 
 def mc_warnings(records) -> list[str]:
@@ -210,7 +221,8 @@ def test_dataloader_workers_flush_at_exit_and_match_monai(nifti, tmp_path, monke
         same(o1[i], o2[i], f"ours epochs {i}")
         same(o2[i], m2[i], f"ours/monai {i}")
         same(o1[i], m1[i], f"ours/monai first epoch {i}", meta=False)
-    for name in files(tmp_path / "ours"):
+    assert our_files(tmp_path / "ours")
+    for name in our_files(tmp_path / "ours"):
         assert oct(os.stat(tmp_path / "ours" / name).st_mode & 0o777) == "0o600"
     assert oct(os.stat(tmp_path / "ours").st_mode & 0o777) == "0o700"
 
@@ -277,7 +289,8 @@ def test_explicit_hash_transform_keeps_monais_meaning(nifti, tmp_path):
 
     a = PersistentDataset(nifti[:1], chain(crop=False), tmp_path, hash_transform=fixed, async_writes=False)
     out_a = a[0]
-    assert a.transform_hash == "v1" and files(tmp_path)[0].startswith(pickle_hashing(nifti[0]).decode() + "v1-")
+    assert a.transform_hash == "v1" and a._entry_key(nifti[0]).startswith(pickle_hashing(nifti[0]).decode() + "v1-")
+    assert len(files(tmp_path)) == 1 and a.entry_location(0) is not None
     # the user's hash says "same transforms": as in MONAI, the entry is served
     b = PersistentDataset(nifti[:1], chain(pixdim=(2.0, 2.0, 2.0), crop=False), tmp_path, hash_transform=fixed)
     same(b[0], out_a)
@@ -319,12 +332,16 @@ def test_monai_cache_dir_with_planted_pickle_is_never_unpickled(nifti, tmp_path,
     assert not marker.exists()
     assert {n: os.stat(tmp_path / n).st_mtime_ns for n in files(tmp_path, ".pt")} == before  # left alone
     assert len(files(tmp_path)) == len(nifti)
-    # our own entry name with a pickle in it is refused as well
-    with open(ours.entry_path(1), "wb") as f:
-        pickle.dump({"image": _Evil(str(marker))}, f)
+    # our own entry (a record in a pack) overwritten with a pickle is refused as well
+    loc = ours.entry_location(1)
+    assert loc is not None and loc.packed
+    planted = pickle.dumps({"image": _Evil(str(marker))})[: loc.length]
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset)
+        f.write(planted)
     ours.transform.set_random_state(0)
     ours[0]
-    with pytest.warns(RuntimeWarning, match="corrupt disk cache file"):
+    with pytest.warns(RuntimeWarning, match="corrupt disk cache record"):
         same(ours[1], expected[1])
     assert not marker.exists()
 
@@ -333,7 +350,9 @@ def test_monai_cache_dir_with_planted_pickle_is_never_unpickled(nifti, tmp_path,
 def test_corrupt_files_are_reported_once_removed_and_recomputed(nifti, tmp_path, kind):
     ds = PersistentDataset(nifti[:2], chain(crop=False), tmp_path, async_writes=False)
     expected = ds[0]
-    path = ds.entry_path(0)
+    path = ds.entry_path(0)  # the pack: this item's record is its only one
+    loc = ds.entry_location(0)
+    assert loc.packed and loc.offset == 0 and loc.length == path.stat().st_size
     raw = bytearray(path.read_bytes())
     if kind == "truncated":
         raw = raw[: len(raw) - 7]
@@ -351,8 +370,11 @@ def test_corrupt_files_are_reported_once_removed_and_recomputed(nifti, tmp_path,
         same(ds[0], expected)
         same(ds[0], expected)
     msgs = mc_warnings(rec)
-    assert len(msgs) == 1 and "corrupt disk cache file" in msgs[0], msgs
-    same(disk.read_entry(str(path)), expected)  # rewritten, valid
+    assert len(msgs) == 1 and "corrupt disk cache record" in msgs[0], msgs
+    rewritten = ds.entry_location(0)
+    assert rewritten != loc and rewritten.offset >= loc.length  # appended anew; supersedes the bad record
+    same(disk.read_packed(rewritten), expected)  # rewritten, valid
+    same(PersistentDataset(nifti[:2], chain(crop=False), tmp_path)[0], expected)  # what a new reader gets
     s = ds.cache_stats()["process"]
     assert s["corrupt"] == 1 and s["hits"] == 1 and s["misses"] == 2
 
@@ -463,7 +485,7 @@ def test_lossy_dtypes_are_explicit_and_consistent(nifti, tmp_path):
     assert hit["image"].dtype == torch.float32
     assert torch.equal(hit["image"], e["image"].half().float()) and not torch.equal(hit["image"], e["image"])
     assert torch.equal(hit["label"], e["label"])  # other keys stay lossless
-    assert lossy.entry_path(0).stat().st_size < exact.entry_path(0).stat().st_size
+    assert lossy.entry_location(0).length < exact.entry_location(0).length
 
 
 class _AddObject(MapTransform):
@@ -508,7 +530,7 @@ def test_two_processes_filling_one_cache_dir_at_once(nifti, tmp_path):
         assert p.exitcode == 0
     assert sums[0] == sums[1]
     names = files(tmp_path)
-    assert len(names) == len(nifti) and all(n.endswith(".mcache") for n in os.listdir(tmp_path))
+    assert len(names) == len(nifti) and not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
     ds = PersistentDataset(nifti, chain(crop=False), tmp_path)
     reference = PersistentDataset(nifti, chain(crop=False), None)
     for i in range(len(nifti)):

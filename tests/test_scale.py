@@ -287,14 +287,10 @@ def test_disk_lookup_cost_independent_of_file_count(disk_dirs):
 
 
 @pytest.mark.parametrize("name", ["raw", "zstd"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="one file per entry: a 64x64 float32 item is 16 KiB of data plus ~0.4 KiB of headers, which a 4 KiB-"
-    "block file system stores in 20 KiB (25%); meeting 10% needs small entries packed into shared files on disk "
-    "too (docs/scale.md)",
-)
 def test_disk_overhead_per_16k_entry(disk_dirs, name):
+    """Small entries are packed (docs/disk-format.md): headers, index records and the packs' last blocks."""
     path, n, _ = disk_dirs[name]
+    assert sum(x.endswith(disk.PACK_SUFFIX) for x in os.listdir(path)) <= 1 + n * ITEM_BYTES // disk.PACK_MAX_BYTES
     used = blocks_bytes(path)
     overhead = used / (n * ITEM_BYTES) - 1
     print(f"\ndisk ({name}): {used} bytes for {n} x {ITEM_BYTES}: overhead {overhead:.2%}")

@@ -19,7 +19,7 @@ import torch
 
 from monai_cache import codec
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import DiskStore, read_entry, sweep_temp_files
+from monai_cache.disk import DiskStore, read_entry, read_packed, sweep_temp_files
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import SharedMemoryStore, cache_root
 
@@ -190,18 +190,20 @@ def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_pat
 
 # --------------------------------------------------------------------------------------------- disk
 def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) -> tuple[int, list[str]]:
+    """(entries stored, problems): every entry file or packed record found for an item must be right."""
     problems, files = [], 0
     names = set(os.listdir(cache_dir))
     problems += [f"temporary file left: {x}" for x in names if x.endswith(".tmp")]
     for i in range(n):
-        path = ds.entry_path(i)
-        if path.name not in names:
+        where = ds.entry_location(i)
+        if where is None:
             continue
         files += 1
         try:
-            problem = item_problem(read_entry(str(path)), i, size)
+            got = read_packed(where) if where.packed else read_entry(where.path)
+            problem = item_problem(got, i, size)
         except codec.CorruptEntryError as e:
-            problem = f"{path.name}: {e}"
+            problem = f"{os.path.basename(where.path)}@{where.offset}: {e}"
         if problem:
             problems.append(problem)
     return files, problems

@@ -675,7 +675,8 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
         head = disk._pack_header(0, len(content), len(content), zlib.crc32(content), key)
         return head + content
 
-    keys = [ds.entry_path(i).name[: -len(disk.ENTRY_SUFFIX)] for i in range(n)]
+    keys = [ds._entry_key(ds.data[i]) for i in range(n)]
+    assert [ds.entry_path(i).name for i in range(n)] == [k + disk.ENTRY_SUFFIX for k in keys]  # nothing stored yet
     plants = [
         payload_pickle(marker),
         _torch_save_bytes(marker, tmp_path),
@@ -689,6 +690,19 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
     for i in range(n):  # and MONAI's own cache file names, as MONAI's PersistentDataset would write them
         with open(os.path.join(cache, f"{keys[i].split('-')[0]}.pt"), "wb") as f:
             f.write(_torch_save_bytes(marker, tmp_path))
+    # and a planted pack: well-formed records (right key tags, checksums, index) holding pickles, indexed as
+    # written in the far future so that they outrank whatever real record is appended later
+    planted = os.path.join(cache, f"pack.{disk._HOST_TAG}.{2**22 + 1}.0")
+    records, index = b"", disk._index_header()
+    for i, content in enumerate(plants[2:] + [disk_entry(keys[0], _pickled_blob(marker))] * 2):
+        key = keys[(i + 2) % n]
+        record_bytes = disk_entry(key, content[64:] if content[:8] == disk.DISK_MAGIC else content)
+        index += disk._index_record(disk.key_tag(key), len(records), len(record_bytes), 2**63)
+        records += record_bytes
+    with open(planted + disk.PACK_SUFFIX, "wb") as f:
+        f.write(records)
+    with open(planted + disk.INDEX_SUFFIX, "wb") as f:
+        f.write(index)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         seen = sorted(int(b["i"]) for b in DataLoader(ds, batch_size=1, num_workers=2))
@@ -696,8 +710,14 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
         for i in range(n):
             assert item_problem(ds[i], i, 64) is None
         ds.flush()
+    fresh = DiskStore(cache)
     for i in range(n):  # the planted files were replaced by real entries
-        assert item_problem(read_entry(str(ds.entry_path(i))), i, 64) is None
+        assert not os.path.exists(os.path.join(cache, keys[i] + disk.ENTRY_SUFFIX))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a new reader meets the planted records first: reported, skipped
+            got = fresh.get(keys[i])
+        assert got is not MISSING and item_problem(got, i, 64) is None
+    assert fresh.stats()["process"]["corrupt"] == n  # every planted record was met, and refused
     assert not os.path.exists(marker), "a planted payload was executed"
     record("hostile/planted-pickles-disk", planted_files=2 * n, executed=0, items_right=n, failures=0)
 

@@ -127,10 +127,10 @@ class ShmTarget:
 
 
 class DiskTarget:
-    """PersistentDataset (asynchronous writes) in a cache directory; the test process reads the files.
+    """PersistentDataset (asynchronous writes) in a cache directory; the test process reads the entries.
 
-    Every fourth item is 8 MB (so that files take a while to write, and kills land during writes), the others
-    16 KiB."""
+    Every fourth item is 8 MB (a file of its own, which takes a while to write, so that kills land during
+    writes), the others 16 KiB (records appended to each writer's pack)."""
 
     name = "disk"
     sizes = {i: 2_000_000 if i % 4 == 0 else 4096 for i in range(N_ITEMS)}
@@ -139,34 +139,57 @@ class DiskTarget:
         self.cache_dir = cache_dir
         self.seen: set[str] = set()
         self.reader = self.build()
-        self.paths = [str(self.reader.entry_path(i)) for i in range(N_ITEMS)]
+        self.keys = [self.reader._entry_key(self.reader.data[i]) for i in range(N_ITEMS)]
+        self.paths = [os.path.join(cache_dir, key + disk.ENTRY_SUFFIX) for key in self.keys]
 
     def build(self) -> PersistentDataset:
         return PersistentDataset(sized_data(self.sizes), MakeItem(), cache_dir=self.cache_dir)
 
     def invalidate(self) -> None:
-        for p in self.paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        """Delete the entry files and the packs (with their indexes): every entry must be written again."""
+        for name in os.listdir(self.cache_dir):
+            if name.endswith(disk.ENTRY_SUFFIX) or disk.is_pack_file(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.cache_dir, name))
 
     def mid_write(self) -> bool:
-        """Whether this kill left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``)."""
+        """Whether this kill left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``) or a record half
+        appended (a pack of a dead writer with bytes after its last indexed record, or a torn index record)."""
         new = {
             n for n in os.listdir(self.cache_dir)
             if n.endswith(".tmp") and n.split(".")[3].isdigit() and gone(int(n.split(".")[3]))
-        } - self.seen
+        }
+        for name in os.listdir(self.cache_dir):
+            if not (name.endswith(disk.INDEX_SUFFIX) and disk.is_pack_file(name)) or not gone(int(name.split(".")[2])):
+                continue
+            index = os.path.join(self.cache_dir, name)
+            with contextlib.suppress(FileNotFoundError):
+                records, pos, torn = disk.read_index(index)
+                end = max((o + n for _, o, n, _, _ in records), default=0)
+                pack = index[: -len(disk.INDEX_SUFFIX)] + disk.PACK_SUFFIX
+                if torn or os.path.getsize(index) > pos or os.path.getsize(pack) > end:
+                    new.add(name)
+        new -= self.seen
         self.seen |= new
         return bool(new)
 
     def check(self) -> tuple[int, list[str]]:
+        """(entries accepted, problems): every entry file, and every packed record an index points to, that a
+        fresh reader finds must be complete and exactly right."""
         accepted, problems = 0, []
-        for i, p in enumerate(self.paths):
-            try:
-                got = read_entry(p)
-            except FileNotFoundError:
+        store = DiskStore(self.cache_dir, writable=False)  # what a new process reads
+        for i, key in enumerate(self.keys):
+            where = store.location(key)
+            if where is None:
                 continue
-            except codec.CorruptEntryError as e:  # rename-on-complete: a final name never holds a partial file
-                problems.append(f"entry {i}: corrupt file under its final name ({e})")
+            try:
+                got = disk.read_packed(where) if where.packed else read_entry(where.path)
+            except FileNotFoundError:
+                continue  # removed meanwhile (a new rank's invalidation)
+            except codec.CorruptEntryError as e:
+                # rename-on-complete (files) and index-after-record (packs): nothing a reader finds is partial
+                kind = f"indexed record at {where.offset} of {where.path}" if where.packed else "file under its name"
+                problems.append(f"entry {i}: corrupt {kind} ({e})")
                 continue
             accepted += 1
             problem = item_problem(got, i, self.sizes[i])
@@ -175,7 +198,8 @@ class DiskTarget:
         return accepted, problems
 
     def state(self) -> dict:
-        return {"files": sum(n.endswith(".mcache") for n in os.listdir(self.cache_dir))}
+        entries = list(disk.stored_entries(self.cache_dir))
+        return {"files": sum(not e.packed for e in entries), "packed_entries": sum(e.packed for e in entries)}
 
     def release(self) -> None:
         pass
@@ -326,7 +350,9 @@ def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
     wait_reaped(temp_file_pids(cache_dir))
     run_final(target)  # a new PersistentDataset sweeps the killed writers' temporary files
     names = os.listdir(cache_dir)
-    assert sorted(names) == sorted(os.path.basename(p) for p in target.paths), names
+    # nothing but entry files of these items, and packs with their indexes (no temporary file left)
+    expected_files = {os.path.basename(p) for p in target.paths}
+    assert all(n in expected_files or disk.is_pack_file(n) for n in names), names
     accepted, problems = target.check()
     assert accepted == N_ITEMS and not problems, problems
     record("kills/disk", store="disk", **figures, temp_files_left_by_kills=temp_left, temp_files_after_next_run=0,

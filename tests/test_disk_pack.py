@@ -1,0 +1,413 @@
+"""Packed entries: small items appended to shared pack files, found through append-only indexes.
+
+Real files, real processes (forked, SIGKILLed), a real tiny tmpfs (skipped where mounting is not permitted).
+Nothing is mocked. The entry-file counterparts of these checks are in ``tests/test_disk.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import time
+import warnings
+
+import pytest
+import torch
+
+from monai_cache import disk
+from monai_cache.cli import disk_cache_info, verify_disk_cache
+from monai_cache.disk import INDEX_RECORD_SIZE, MISSING, PACK_SUFFIX, DiskStore, stored_entries
+
+FORK = multiprocessing.get_context("fork")
+ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def item_for(key: str, numel: int = 64 * 64) -> dict:
+    """A deterministic, incompressible item for ``key``."""
+    seed = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
+    return {"image": torch.rand(numel, generator=torch.Generator().manual_seed(seed)), "key": key}
+
+
+def check(got, key: str, numel: int = 64 * 64) -> None:
+    want = item_for(key, numel)
+    assert got is not MISSING, key
+    assert got["key"] == key and torch.equal(got["image"], want["image"]), key
+
+
+def packs(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(PACK_SUFFIX))
+
+
+def mc_warnings(records) -> list[str]:
+    return [str(w.message) for w in records if "monai_cache" in str(w.message)]
+
+
+def used_bytes(directory) -> int:
+    return sum(os.lstat(os.path.join(directory, n)).st_blocks * 512 for n in os.listdir(directory))
+
+
+# ---------------------------------------------------------------------------------------------- basics
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_small_items_are_packed_and_read_back(tmp_path, compression):
+    store = DiskStore(tmp_path, compression=compression)
+    keys = [f"k{i}" for i in range(300)]
+    for key in keys:
+        store.put(key, item_for(key))
+    assert store.flush(60)
+    names = os.listdir(tmp_path)
+    assert len(names) == 2 and len(packs(tmp_path)) == 1  # one pack and its index for 300 items
+    for name in names:
+        assert oct(os.stat(tmp_path / name).st_mode & 0o777) == "0o600"
+    reader = DiskStore(tmp_path, writable=False)  # as another process or rank would open it
+    for key in random.Random(0).sample(keys, len(keys)):
+        check(reader.get(key), key)
+        assert reader.contains(key)
+    assert reader.get("absent") is MISSING and not reader.contains("absent")
+    s = reader.stats()["process"]
+    assert s["hits"] == len(keys) and s["misses"] == 1 and s["corrupt"] == 0
+    assert len(list(reader.entries())) == len(keys)
+    assert store.stats()["process"]["writes"] == len(keys)
+    loc = reader.location("k7")
+    assert loc.packed and loc.path == str(tmp_path / packs(tmp_path)[0])
+
+
+def test_large_items_keep_a_file_of_their_own(tmp_path):
+    store = DiskStore(tmp_path, async_writes=False, compression=None)
+    numel = disk.PACK_LIMIT // 4 + 16  # just above the limit: its own file
+    store.put("big", item_for("big", numel))
+    store.put("small", item_for("small"))
+    assert os.path.exists(store.path("big")) and not os.path.exists(store.path("small"))
+    assert not store.location("big").packed and store.location("small").packed
+    check(disk.read_entry(store.path("big")), "big", numel)
+    reader = DiskStore(tmp_path)
+    check(reader.get("big"), "big", numel)
+    check(reader.get("small"), "small")
+    assert sorted(e.packed for e in reader.entries()) == [False, True]
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_overhead_of_2000_16k_entries_is_at_most_10_percent(tmp_path, compression):
+    store = DiskStore(tmp_path, compression=compression, async_writes=False)
+    n = 2000
+    for i in range(n):
+        store.write(f"k{i}", {"image": torch.rand(64, 64, generator=torch.Generator().manual_seed(i))})
+    used = used_bytes(tmp_path)
+    overhead = used / (n * ITEM_BYTES) - 1
+    print(f"\n{compression}: {used} bytes allocated for {n} x {ITEM_BYTES}: overhead {overhead:.2%}")
+    assert overhead <= 0.10
+    assert len(os.listdir(tmp_path)) == 2
+    got = DiskStore(tmp_path).get("k1234")["image"]
+    assert torch.equal(got, torch.rand(64, 64, generator=torch.Generator().manual_seed(1234)))
+
+
+def test_packs_rotate_and_fsync_works(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "PACK_MAX_BYTES", 100 << 10)
+    store = DiskStore(tmp_path, async_writes=False, compression=None, fsync=True)
+    for i in range(30):
+        store.put(f"k{i}", item_for(f"k{i}"))
+    assert len(packs(tmp_path)) >= 4  # about six 16 KiB records per pack
+    reader = DiskStore(tmp_path)
+    for i in range(30):
+        check(reader.get(f"k{i}"), f"k{i}")
+
+
+def test_rewritten_key_supersedes(tmp_path):
+    first = DiskStore(tmp_path, async_writes=False)
+    first.put("k", {"v": torch.zeros(100), "key": "old"})
+    first.put("other", item_for("other"))
+    assert first.write("k", {"v": torch.ones(100), "key": "ignored"})  # an entry exists: kept
+    assert DiskStore(tmp_path).get("k")["key"] == "old"
+    second = DiskStore(tmp_path, async_writes=False)  # another process/rank, its own pack
+    assert second.write("k", {"v": torch.ones(100), "key": "new"}, replace=True)
+    assert len(packs(tmp_path)) == 2
+    assert second.get("k")["key"] == "new"
+    assert DiskStore(tmp_path).get("k")["key"] == "new"  # a fresh reader: the later record wins
+    assert first.write("k", {"v": torch.full((100,), 2.0), "key": "newest"}, replace=True)
+    assert first.get("k")["key"] == "newest"  # same pack, later index record
+    check(DiskStore(tmp_path).get("other"), "other")
+    assert len(list(stored_entries(str(tmp_path)))) == 2
+    assert len(list(stored_entries(str(tmp_path), superseded=True))) == 4
+
+
+# ---------------------------------------------------------------------------------------- integrity
+@pytest.mark.parametrize("where", ["payload", "header", "tag"])
+def test_corrupt_record_reported_once_and_recomputed(tmp_path, where):
+    store = DiskStore(tmp_path, async_writes=False, compression=None)  # records of equal sizes
+    keys = [f"k{i}" for i in range(5)]
+    for key in keys:
+        store.put(key, item_for(key))
+    loc = store.location("k2")
+    with open(loc.path, "r+b") as f:
+        if where == "tag":  # a valid record of another key, copied over this one (same size)
+            other = store.location("k3")
+            f.seek(other.offset)
+            raw = f.read(other.length)
+            f.seek(loc.offset)
+            f.write(raw)
+        else:
+            pos = loc.offset + (20 if where == "header" else loc.length // 2)
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x01]))
+    reader = DiskStore(tmp_path, async_writes=False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert reader.get("k2") is MISSING
+        assert reader.get("k2") is MISSING  # not read again, not reported again
+        for key in ("k0", "k1", "k3", "k4"):  # the other records of the pack are fine
+            check(reader.get(key), key)
+        reader.put("k2", item_for("k2"))  # recomputed: appended anew
+        check(reader.get("k2"), "k2")
+    msgs = mc_warnings(rec)
+    assert len(msgs) == 1 and "corrupt disk cache record" in msgs[0] and "k2" in msgs[0], msgs
+    s = reader.stats()["process"]
+    assert s["corrupt"] == 1 and s["writes"] == 1
+    assert reader.location("k2").path != loc.path  # in the reader's own pack
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fresh = DiskStore(tmp_path)
+        for key in keys:
+            check(fresh.get(key), key)
+    # a fresh reader may meet the bad record before the new one (index order): it reports it, never serves it
+    assert len(mc_warnings(rec)) <= 1
+    result = verify_disk_cache(str(tmp_path))
+    assert result["ok"] == 5 and [b["file"] for b in result["bad"]] == [f"{os.path.basename(loc.path)}@{loc.offset}"]
+    result = verify_disk_cache(str(tmp_path), remove=True)
+    assert result["bad"][0]["removed"]
+    assert verify_disk_cache(str(tmp_path))["bad"] == []
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fresh = DiskStore(tmp_path)
+        for key in keys:
+            check(fresh.get(key), key)
+    assert mc_warnings(rec) == []
+
+
+def test_torn_index_tail_is_ignored(tmp_path):
+    store = DiskStore(tmp_path, async_writes=False, compression=None)
+    for i in range(10):
+        store.put(f"k{i}", item_for(f"k{i}"))
+    index = next(str(tmp_path / n) for n in os.listdir(tmp_path) if n.endswith(disk.INDEX_SUFFIX))
+    pack = index[: -len(disk.INDEX_SUFFIX)] + PACK_SUFFIX
+    size = os.path.getsize(pack)
+    # what a writer killed mid-append leaves: half a record at the pack's end, and a torn index record for it
+    with open(pack, "ab") as f:
+        f.write(b"\x01" * 5000)
+    with open(index, "ab") as f:
+        now = time.time_ns()
+        f.write(disk._index_record(disk.key_tag("k10"), size, 5000 + 64, now)[:-4] + b"\0\0\0\0")  # CRC wrong
+        f.write(disk._index_record(disk.key_tag("k11"), size, 64, now)[:17])  # and an incomplete one
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        reader = DiskStore(tmp_path)
+        for i in range(10):
+            check(reader.get(f"k{i}"), f"k{i}")
+        assert reader.get("k10") is MISSING and reader.get("k11") is MISSING
+    assert mc_warnings(rec) == []
+    assert reader.stats()["process"]["corrupt"] == 0
+    assert len(list(reader.entries())) == 10
+    assert verify_disk_cache(str(tmp_path))["bad"] == []
+    info = disk_cache_info(str(tmp_path))
+    assert info["entries"] == 10 and info["packed"] == 10 and info["bad_headers"] == 0
+
+
+# ------------------------------------------------------------------------------------------ processes
+def _write_keys(directory: str, prefix: str, n: int) -> None:
+    torch.set_num_threads(1)
+    store = DiskStore(directory)
+    for i in range(n):
+        store.put(f"{prefix}{i}", item_for(f"{prefix}{i}"))
+    assert store.flush(60)
+
+
+def _read_while_written(directory: str, keys: list[str], stop, result) -> None:
+    torch.set_num_threads(1)
+    store = DiskStore(directory, writable=False)
+    seen: set[str] = set()
+    bad = 0
+    rng = random.Random(5)
+
+    def read(key: str) -> bool:
+        nonlocal bad
+        got = store.get(key)
+        if got is MISSING:
+            return False
+        if got["key"] != key or not torch.equal(got["image"], item_for(key)["image"]):
+            bad += 1
+        seen.add(key)
+        return True
+
+    while not stop.is_set():  # while the writers append
+        read(rng.choice(keys))
+    deadline = time.monotonic() + 10  # new packs are found within disk.RELIST_SECONDS
+    for key in keys:
+        while not read(key) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    s = store.stats()["process"]
+    result.put((bad, len(seen), s["corrupt"]))
+
+
+def test_two_writer_processes_and_a_reader(tmp_path):
+    n = 150
+    keys = [f"a{i}" for i in range(n)] + [f"b{i}" for i in range(n)]
+    stop, result = FORK.Event(), FORK.Queue()
+    reader = FORK.Process(target=_read_while_written, args=(str(tmp_path), keys, stop, result))
+    reader.start()
+    writers = [FORK.Process(target=_write_keys, args=(str(tmp_path), p, n)) for p in "ab"]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(120)
+        assert w.exitcode == 0
+    stop.set()
+    bad, seen, corrupt = result.get(timeout=120)
+    reader.join(30)
+    assert bad == 0 and seen == len(keys) and corrupt == 0
+    assert len(packs(tmp_path)) == 2  # one pack per writing process
+    final = DiskStore(tmp_path)
+    for key in keys:
+        check(final.get(key), key)
+
+
+def _append_forever(directory: str, start: int, numel: int) -> None:
+    torch.set_num_threads(1)
+    store = DiskStore(directory, async_writes=False, compression_level=3)
+    i = start
+    while True:
+        store.put(f"w{i:06d}", item_for(f"w{i:06d}", numel))
+        i += 1
+
+
+def _tail_state(directory: str) -> tuple[int, int]:
+    """(packs with bytes after their last indexed record, indexes with a partial last record)."""
+    loose = torn = 0
+    for name in os.listdir(directory):
+        if not name.endswith(disk.INDEX_SUFFIX):
+            continue
+        index = os.path.join(directory, name)
+        records, _, _ = disk.read_index(index)
+        end = max((o + n for _, o, n, _, _ in records), default=0)
+        loose += os.path.getsize(index[: -len(disk.INDEX_SUFFIX)] + PACK_SUFFIX) > end
+        torn += (os.path.getsize(index) - disk.INDEX_HEADER_SIZE) % INDEX_RECORD_SIZE != 0
+    return loose, torn
+
+
+def test_sigkill_during_packed_appends_never_serves_wrong_data(tmp_path):
+    rng = random.Random(4321)
+    numel = 48 << 10  # 192 KiB records (packed), compressed at level 3: appends take a while
+    trials = mid_append = 0
+    start = 0
+    while trials < 20 or (mid_append == 0 and trials < 60):
+        before = sum(n.endswith(disk.INDEX_SUFFIX) for n in os.listdir(tmp_path))
+        p = FORK.Process(target=_append_forever, args=(str(tmp_path), start, numel))
+        p.start()
+        deadline = time.monotonic() + 30
+        while sum(n.endswith(disk.INDEX_SUFFIX) for n in os.listdir(tmp_path)) == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)  # wait until this writer has its pack
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+        trials += 1
+        loose, torn = _tail_state(str(tmp_path))
+        mid_append = max(mid_append, loose + torn)
+        start += 10_000
+    # every entry a reader accepts is the right one; nothing is reported corrupt (partial appends are unindexed)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        reader = DiskStore(tmp_path, writable=False)
+        accepted = 0
+        for trial in range(trials):
+            i = trial * 10_000
+            while (got := reader.get(f"w{i:06d}")) is not MISSING:  # each writer wrote its keys in order
+                check(got, f"w{i:06d}", numel)
+                accepted += 1
+                i += 1
+    assert mc_warnings(rec) == [] and reader.stats()["process"]["corrupt"] == 0
+    assert accepted > 0, "no writer completed a record"
+    assert mid_append > 0, "no kill landed during an append (the test did not exercise the hazard)"
+    assert accepted == len(list(stored_entries(str(tmp_path))))
+    result = verify_disk_cache(str(tmp_path))
+    assert result["bad"] == [] and result["ok"] == accepted
+
+
+# ------------------------------------------------------------------------------------- real failures
+@contextlib.contextmanager
+def mounted_tmpfs(path: str, options: str):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root/CAP_SYS_ADMIN")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def test_disk_full_while_appending_gives_one_warning(tmp_path):
+    with mounted_tmpfs(str(tmp_path / "mnt"), "size=1m") as mnt:
+        store = DiskStore(mnt, compression=None)
+        numel = 20_000  # 80 KB records: packed; about 12 fit
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for i in range(30):
+                store.put(f"k{i}", item_for(f"k{i}", numel))
+            store.flush(30)
+        msgs = mc_warnings(rec)
+        assert len(msgs) == 1 and "is full" in msgs[0], msgs
+        s = store.stats()["process"]
+        assert s["writes"] >= 1 and s["write_errors"] == 1 and store.writes_disabled
+        reader = DiskStore(mnt, writable=False)
+        ok = 0
+        for i in range(30):
+            got = reader.get(f"k{i}")
+            if got is not MISSING:
+                check(got, f"k{i}", numel)
+                ok += 1
+        assert ok == s["writes"] and reader.stats()["process"]["corrupt"] == 0
+        assert not any(n.endswith(".tmp") for n in os.listdir(mnt))
+
+
+def test_pack_format_matches_the_documented_spec(tmp_path):
+    """Read a pack with the index reader of docs/disk-format.md and nothing but struct, zlib and zstandard."""
+    import struct
+    import zlib
+
+    import zstandard
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "disk-format.md")).read()
+    code = doc[doc.index("def read_index(path):") :]
+    namespace: dict = {"struct": struct, "zlib": zlib}
+    exec(code[: code.index("```")], namespace)
+    store = DiskStore(tmp_path, async_writes=False)
+    for i in range(4):
+        store.put(f"k{i}", item_for(f"k{i}"))
+    (index,) = (n for n in os.listdir(tmp_path) if n.endswith(disk.INDEX_SUFFIX))
+    records = namespace["read_index"](str(tmp_path / index))
+    assert len(records) == 4
+    pack = (tmp_path / index).with_suffix(PACK_SUFFIX).read_bytes()
+    offset, length, stamp = records[hashlib.sha256(b"k2").digest()[:16]]
+    assert abs(stamp - time.time_ns()) < 60e9
+    raw = pack[offset : offset + length]
+    magic, version, hsize, flags, blob_len, stored_len, crc, _, tag, _, hcrc = struct.unpack(
+        "<8sHHIQQII16sII", raw[:64]
+    )
+    assert (magic, version, hsize, flags) == (b"MCDISK\r\n", 2, 64, 1) and hcrc == zlib.crc32(raw[:60])
+    assert tag == hashlib.sha256(b"k2").digest()[:16] and stored_len == length - 64 and crc == zlib.crc32(raw[64:])
+    blob = zstandard.ZstdDecompressor().decompress(raw[64:], max_output_size=blob_len)
+    assert len(blob) == blob_len and blob[:8] == b"MCACHE\x00\x01"
