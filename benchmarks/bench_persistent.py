@@ -150,7 +150,7 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
         jobs = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
         for name, build in jobs:
             t[name].append(run_epoch(build(), workers))
-        assert len([n for n in os.listdir(odir) if n.endswith(".mcache")]) == len(data), "writes not flushed"
+        assert len(list(disk.stored_entries(odir))) == len(data), "writes not flushed"
     if warm:
         mdir, odir = os.path.join(root, "monai0"), os.path.join(root, "ours0")
         for r in range(repeats):
@@ -166,7 +166,9 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
 
 
 def dir_bytes(path: str, suffix: str) -> int:
-    return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(suffix))
+    """Bytes of the files ending in ``suffix``; for ours (``".mcache"``), also small entries' packs and indexes."""
+    suffixes = (suffix, disk.PACK_SUFFIX, disk.INDEX_SUFFIX) if suffix == disk.ENTRY_SUFFIX else (suffix,)
+    return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(suffixes))
 
 
 def med(xs: list[float]) -> float:
