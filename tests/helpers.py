@@ -3,12 +3,15 @@ across processes (by appending to a file), so tests can tell how often determini
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 from collections.abc import Hashable, Mapping, Sequence
 
 import nibabel as nib
 import numpy as np
+import pytest
 from monai.transforms import (
     Compose,
     EnsureChannelFirstd,
@@ -109,3 +112,16 @@ class RandZeroInPlace(MapTransform, RandomizableTrait):
         for k in self.key_iterator(d):
             d[k].mul_(0)
         return d
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: str, options: str):
+    """A size-limited tmpfs mounted at ``path`` for the block (skips the test where mounting is not allowed)."""
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root/CAP_SYS_ADMIN")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from helpers import mounted_tmpfs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,18 +67,6 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
         else:
             assert a[k] == b[k], k
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(path: str, options: str):
-    os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root/CAP_SYS_ADMIN")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
 
 
 def read_back(directory, key: str, nbytes: int = 64 << 10) -> None:

@@ -6,18 +6,17 @@ Nothing is mocked. The entry-file counterparts of these checks are in ``tests/te
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import multiprocessing
 import os
 import random
 import signal
-import subprocess
 import time
 import warnings
 
 import pytest
 import torch
+from helpers import mounted_tmpfs
 
 from monai_cache import disk
 from monai_cache.cli import disk_cache_info, verify_disk_cache
@@ -347,18 +346,6 @@ def test_sigkill_during_packed_appends_never_serves_wrong_data(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- real failures
-@contextlib.contextmanager
-def mounted_tmpfs(path: str, options: str):
-    os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root/CAP_SYS_ADMIN")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
-
-
 def test_disk_full_while_appending_gives_one_warning(tmp_path):
     with mounted_tmpfs(str(tmp_path / "mnt"), "size=1m") as mnt:
         store = DiskStore(mnt, compression=None)
