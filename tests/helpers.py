@@ -125,3 +125,15 @@ def mounted_tmpfs(path: str, options: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", path], check=False)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Small tensors on a shared 2-core machine: OpenMP hand-offs cost more than the work. Autouse in the
+    modules that import it."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from helpers import mounted_tmpfs
+from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,15 +37,6 @@ from monai_cache import codec, disk
 from monai_cache.disk import HEADER_SIZE, INDEX_RECORD_SIZE, MISSING, DiskStore, read_entry, read_header
 
 FORK = multiprocessing.get_context("fork")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Small tensors on a shared 2-core machine: OpenMP hand-offs cost more than the work."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

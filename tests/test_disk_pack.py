@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import mounted_tmpfs
+from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from monai_cache import disk
 from monai_cache.cli import disk_cache_info, verify_disk_cache
@@ -24,14 +24,6 @@ from monai_cache.disk import INDEX_RECORD_SIZE, MISSING, PACK_SUFFIX, DiskStore,
 
 FORK = multiprocessing.get_context("fork")
 ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def item_for(key: str, numel: int = 64 * 64) -> dict:

@@ -19,6 +19,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from helpers import one_torch_thread  # noqa: F401 (an autouse fixture)
 from monai.data import DataLoader, MetaTensor
 from monai.data import PersistentDataset as MonaiPersistentDataset
 from monai.data.utils import pickle_hashing
@@ -38,15 +39,6 @@ from monai_cache.persistent import PersistentDataset
 
 FORK = multiprocessing.get_context("fork")
 KEYS = ("image", "label")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Small tensors on a shared 2-core machine: OpenMP hand-offs cost more than the work."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
