@@ -50,7 +50,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,8 @@ MAGIC = b"MCACHE\x00\x01"
 FORMAT_VERSION = 1
 ALIGN = 64
 _PREFIX = struct.Struct("<8sIIQQII")
+FLAG_NO_DATA_CRC = 1  # prefix flag: the data CRC field is not set (the container checksums the blob)
+_KNOWN_FLAGS = FLAG_NO_DATA_CRC
 PREFIX_SIZE = _PREFIX.size  # 40
 INLINE_LIMIT = 256  # buffers up to this many bytes go into the header (meta arrays, affines)
 MAX_DEPTH = 64
@@ -143,9 +145,34 @@ class Encoded:
     offsets: list[int]
     data_offset: int
     nbytes: int
+    borrowed: list[bool] = field(default_factory=list)  # per buffer: a view of the item's own memory
     _data_crc: int | None = None
 
-    def prefix(self) -> bytes:
+    def detach(self) -> Encoded:
+        """This encoding, sharing no memory with the encoded item: buffers that are views of the item's
+        tensors and arrays are copied; those the encoder made (downcast, made contiguous) are kept.
+
+        What a background writer needs: later in-place changes to the item cannot reach it, and it costs
+        one copy of the stored bytes (not of the item, whose float label maps may be four times larger).
+        """
+        if not any(self.borrowed):
+            return self
+        buffers = [memoryview(bytearray(b)) if own else b for b, own in zip(self.buffers, self.borrowed)]
+        out = Encoded(self.header, buffers, self.offsets, self.data_offset, self.nbytes, [False] * len(buffers))
+        out._keepalive = [getattr(self, "_keepalive", None)]  # type: ignore[attr-defined]
+        return out
+
+    def prefix(self, data_crc: bool = True) -> bytes:
+        """The blob's fixed prefix.
+
+        Args:
+            data_crc: record the CRC-32 of the buffers (a pass over the data). A container that checksums the
+                whole blob itself (a disk entry) passes False: the prefix then says that no data CRC is
+                recorded, and ``decode(verify=True)`` has nothing to check.
+        """
+        if not data_crc:
+            return _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_NO_DATA_CRC, len(self.header), self.nbytes,
+                                zlib.crc32(self.header), 0)
         if self._data_crc is None:
             crc = 0
             for buf in self.buffers:
@@ -154,9 +181,13 @@ class Encoded:
         return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(self.header), self.nbytes, zlib.crc32(self.header),
                             self._data_crc)
 
-    def chunks(self) -> Iterator[memoryview | bytes]:
-        """Yield the blob as consecutive pieces (padding included), for ``os.writev`` or a stream."""
-        head = self.prefix() + self.header
+    def chunks(self, data_crc: bool = True) -> Iterator[memoryview | bytes]:
+        """Yield the blob as consecutive pieces (padding included), for ``os.writev`` or a stream.
+
+        Args:
+            data_crc: see :meth:`prefix`.
+        """
+        head = self.prefix(data_crc) + self.header
         yield head
         pos = len(head)
         for off, buf in zip(self.offsets, self.buffers):
@@ -194,39 +225,67 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 # time than the few bytes it saves.
 DOWNCAST_MIN_BYTES = 4096
 _CHECK_CHUNK = 1 << 18  # elements per step of the lossless check: temporaries stay small and in cache
-_BITS = {  # integers of the same width: floats are compared as bit patterns
-    torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64,
-}
+_PROBE_STRIDE = 61  # every 61st element is probed first (a prime, so that it does not follow the rows of a volume)
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # floats are compared as these bit patterns
 
 
-def _pieces(flat: torch.Tensor) -> Iterator[torch.Tensor]:
-    for start in range(0, flat.numel(), _CHECK_CHUNK):
-        yield flat[start : start + _CHECK_CHUNK]
+def _pieces(n: int) -> Iterator[slice]:
+    for start in range(0, n, _CHECK_CHUNK):
+        yield slice(start, min(start + _CHECK_CHUNK, n))
 
 
-def _round_trips(flat: torch.Tensor, cand: torch.dtype) -> bool:
-    """Whether every value of ``flat`` survives a cast to ``cand`` and back, bit for bit.
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous tensor in which floats are their bit patterns (so that comparing two of
+    them also requires -0.0, NaN and infinities to match exactly)."""
+    if t.is_floating_point():
+        t = t.view(_INT_OF_WIDTH[t.element_size()])
+    return t.numpy()
 
-    Floats are compared as their bit patterns, so -0.0, NaN and infinities must come back exactly too. The
-    check runs piecewise and stops at the first piece that fails (most float images fail at once).
+
+def _round_trip_cast(flat: torch.Tensor, cand: torch.dtype, sample: torch.Tensor | None) -> torch.Tensor | None:
+    """``flat`` (1-D, contiguous) cast to ``cand`` if every value survives the cast and back bit for bit,
+    else None.
+
+    ``sample`` (a strided sample of ``flat``, or None) is tried first: most float images fail on it at once,
+    while their first pieces are often air (exact zeros) that pass, so that without it the piecewise check
+    would read a good part of the volume before it fails.
+    The check runs piecewise and stops at the first piece that fails; the pieces it casts become the result,
+    so a successful check costs no second cast. To integer dtypes numpy does the work (about twice as fast as
+    torch on one thread; a value that survives the round trip is an integer in range, which both libraries
+    cast exactly). To float dtypes torch does, because the decoder casts back with torch and NaN payloads
+    need not come back the same from another library.
     """
-    bits = _BITS.get(flat.dtype)
+    if sample is not None and not np.array_equal(_bits(sample.to(cand).to(flat.dtype)), _bits(sample)):
+        return None
+    out = torch.empty(flat.shape, dtype=cand)
+    back = torch.empty(min(flat.numel(), _CHECK_CHUNK), dtype=flat.dtype)  # reused: no page faults per piece
+    by_numpy = not cand.is_floating_point and flat.dtype != torch.bfloat16
+    src, dst, again = (flat.numpy(), out.numpy(), back.numpy()) if by_numpy else (None, None, None)
     with np.errstate(over="ignore", invalid="ignore"):
-        for piece in _pieces(flat):
-            back = piece.to(cand).to(flat.dtype)
-            if not (torch.equal(back.view(bits), piece.view(bits)) if bits else torch.equal(back, piece)):
-                return False
-    return True
+        for piece in _pieces(flat.numel()):
+            n = piece.stop - piece.start
+            if src is not None and dst is not None and again is not None:
+                np.copyto(dst[piece], src[piece], casting="unsafe")
+                np.copyto(again[:n], dst[piece], casting="unsafe")
+            else:
+                out[piece].copy_(flat[piece])
+                back[:n].copy_(out[piece])
+            if not np.array_equal(_bits(back[:n]), _bits(flat[piece])):
+                return None
+    return out
 
 
-def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
-    """The smallest dtype that holds every value of ``t`` exactly (bit for bit after casting back), if smaller.
+def _lossless_downcast(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` (contiguous) in the smallest dtype that holds every value exactly (bit for bit after casting
+    back), if there is a smaller one; else None. The result has ``t``'s shape.
 
-    Never holds a whole-size temporary, so that checking a multi-GB volume costs no extra copy of it.
+    Holds no temporary of ``t``'s size: only the result (in the smaller dtype) and one piece at a time, so
+    that checking a multi-GB volume costs no extra copy of it.
     """
     if t.numel() == 0 or t.dtype in (torch.bool, torch.uint8, torch.int8) or t.is_complex():
         return None
     flat = t.reshape(-1)  # a view of a contiguous tensor
+    sample = flat[::_PROBE_STRIDE].contiguous() if flat.numel() > _CHECK_CHUNK else None
     for cand in (torch.uint8, torch.int8, torch.int16, torch.int32):
         if cand.itemsize >= t.dtype.itemsize:
             break
@@ -234,18 +293,26 @@ def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
             lo, hi = (int(v) for v in torch.aminmax(flat))
             info = torch.iinfo(cand)
             if info.min <= lo and hi <= info.max:
-                return cand
+                return t.to(cand)
             continue
         # Floats: the round trip itself checks the range (out-of-range, non-integral, NaN and -0.0 fail).
-        if _round_trips(flat, cand):
-            return cand
+        cast = _round_trip_cast(flat, cand, sample)
+        if cast is not None:
+            return cast.view(t.shape)
     if t.dtype in (torch.float32, torch.float64):
         for cand in (torch.float16, torch.bfloat16, torch.float32):
             if cand.itemsize >= t.dtype.itemsize:
                 break
-            if _round_trips(flat, cand):
-                return cand
+            cast = _round_trip_cast(flat, cand, sample)
+            if cast is not None:
+                return cast.view(t.shape)
     return None
+
+
+def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
+    """The smallest dtype that holds every value of ``t`` exactly, if smaller (see :func:`_lossless_downcast`)."""
+    cast = _lossless_downcast(t.contiguous())
+    return None if cast is None else cast.dtype
 
 
 class _Encoder:
@@ -255,16 +322,19 @@ class _Encoder:
         self.lossy = dict(lossy or {})
         self.buffers: list[memoryview] = []
         self.offsets: list[int] = []
+        self.borrowed: list[bool] = []
         self.keepalive: list[Any] = []  # contiguous copies whose memory the buffers point into
         self.size = 0
 
-    def _add_buffer(self, node: dict, view: memoryview) -> None:
+    def _add_buffer(self, node: dict, view: memoryview, borrowed: bool = False) -> None:
+        """Add a raw buffer (``borrowed``: a view of the item's own, mutable memory)."""
         if view.nbytes <= INLINE_LIMIT:
             node["x"] = base64.b64encode(view).decode("ascii")
             return
         self.size = _align(self.size)
         node["b"] = len(self.buffers)
         self.buffers.append(view)
+        self.borrowed.append(borrowed)
         self.offsets.append(self.size)
         self.size += view.nbytes
 
@@ -275,6 +345,7 @@ class _Encoder:
         node: dict[str, Any] = {"~": "M" if is_meta else "T"}
         data = t.as_tensor() if is_meta else t  # type: ignore[attr-defined]
         data = data.detach()
+        own_storage = data.untyped_storage().data_ptr()
         if data.dtype not in _TORCH_DTYPE_NAMES:
             raise UnsupportedValueError(f"cannot cache {path}: torch dtype {data.dtype} is not supported")
         if data.device.type != "cpu":
@@ -292,16 +363,17 @@ class _Encoder:
                 data = data.contiguous()
         else:
             data = data.contiguous()
-        stored = None
+        stored: torch.Tensor | None = None
         if top_key is not None and top_key in self.lossy:
-            stored = self.lossy[top_key]
+            stored = data.to(self.lossy[top_key])
         elif self.downcast and data.numel() * data.element_size() >= DOWNCAST_MIN_BYTES:
-            stored = _lossless_target(data)
-        if stored is not None and stored != data.dtype:
-            node["sd"] = _TORCH_DTYPE_NAMES[stored]
-            data = data.to(stored)
+            stored = _lossless_downcast(data)
+        if stored is not None and stored.dtype != data.dtype:
+            node["sd"] = _TORCH_DTYPE_NAMES[stored.dtype]
+            data = stored
         self.keepalive.append(data)
-        self._add_buffer(node, _byte_view(data))
+        borrowed = data.device.type == "cpu" and data.untyped_storage().data_ptr() == own_storage
+        self._add_buffer(node, _byte_view(data), borrowed)
         if is_meta:
             attrs = dict(t.__dict__)
             node["a"] = self._dict(attrs, path, depth + 1, attr=True)
@@ -330,7 +402,8 @@ class _Encoder:
                 node["sd"] = sd.str
                 data = data.astype(sd, order="K")
         self.keepalive.append(data)
-        self._add_buffer(node, memoryview(data.reshape(-1, order="A")).cast("B"))  # type: ignore[arg-type]
+        view = memoryview(data.reshape(-1, order="A")).cast("B")  # type: ignore[arg-type]
+        self._add_buffer(node, view, borrowed=np.may_share_memory(data, a))
         return node
 
     def _fallback(self, value: Any, path: str, why: str) -> dict:
@@ -436,7 +509,7 @@ def encode(
     ).encode()
     data_offset = _align(PREFIX_SIZE + len(header))
     total = data_offset + (enc.size if enc.buffers else 0)
-    out = Encoded(header, enc.buffers, enc.offsets, data_offset, total)
+    out = Encoded(header, enc.buffers, enc.offsets, data_offset, total, enc.borrowed)
     out._keepalive = enc.keepalive  # type: ignore[attr-defined]
     return out
 
@@ -445,11 +518,13 @@ def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
     """Check the fixed prefix of a blob; return ``(header_length, total_length)``."""
     if len(buf) < PREFIX_SIZE:
         raise CorruptEntryError(f"truncated: {len(buf)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
-    magic, version, _flags, hlen, total, _crc, _ = _PREFIX.unpack_from(buf, 0)
+    magic, version, flags, hlen, total, _crc, _ = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptEntryError("not a monai_cache entry (bad magic number)")
     if version != FORMAT_VERSION:
         raise CorruptEntryError(f"format version {version} is not supported (this monai_cache reads {FORMAT_VERSION})")
+    if flags & ~_KNOWN_FLAGS:
+        raise CorruptEntryError(f"unknown flags {flags:#x} in the entry prefix")
     if hlen > MAX_HEADER or PREFIX_SIZE + hlen > total:
         raise CorruptEntryError(f"header length {hlen} does not fit the entry")
     return hlen, total
@@ -668,7 +743,8 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
         allow_pickle: load values that were stored with pickle. Off by default: a blob that holds a
             pickled value then raises :class:`CorruptEntryError`.
         verify: also check the CRC-32 of the buffers' bytes (the header is always checked). Costs a pass
-            over the data (about 1 ms per MB).
+            over the data (about 1 ms per MB). Blobs written without one (disk entries, whose file or pack
+            record carries a CRC-32 of the whole blob) have nothing more to check.
 
     Raises:
         CorruptEntryError: the blob is truncated, damaged, foreign, or asks for something not allowed.
@@ -704,7 +780,7 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
         if off < end:
             raise CorruptEntryError("overlapping buffers")
         end = off + n
-    if verify:
+    if verify and not _PREFIX.unpack_from(buf, 0)[2] & FLAG_NO_DATA_CRC:
         crc = 0
         for off, n in spans:
             crc = zlib.crc32(data[off : off + n], crc)

@@ -203,6 +203,86 @@ def test_lossless_check_looks_at_every_piece_of_a_large_tensor(monkeypatch, spoi
     assert torch.equal(bits(out), bits(t))
 
 
+def _reference_target(t: torch.Tensor) -> torch.dtype | None:
+    """The slow, whole-tensor definition of the lossless target: the first smaller dtype that round-trips."""
+    order = [torch.uint8, torch.int8, torch.int16, torch.int32]
+    if t.dtype.is_floating_point:
+        order += [torch.float16, torch.bfloat16]
+    elif t.dtype in (torch.uint8, torch.int8, torch.bool):
+        return None
+    for cand in order:
+        if cand.itemsize < t.dtype.itemsize and torch.equal(bits(t.to(cand).to(t.dtype)), bits(t)):
+            return cand
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16])
+@pytest.mark.parametrize("kind", ["labels", "ct", "wide", "half", "fraction", "spoiled"])
+def test_lossless_target_matches_the_whole_tensor_definition(monkeypatch, dtype, kind):
+    """Probe, pieces, numpy casts: the chosen dtype is the first smaller one through which every value survives
+    a round trip with torch, bit for bit (what the decoder does), and the round trip is exact."""
+    monkeypatch.setattr(codec, "_CHECK_CHUNK", 1000)
+    g = torch.Generator().manual_seed(hash((str(dtype), kind)) % 2**31)
+    n = 7001
+    t = {
+        "labels": torch.randint(0, 3, (n,), generator=g).double(),
+        "ct": torch.randint(-1024, 3000, (n,), generator=g).double(),
+        "wide": torch.randint(-70000, 70000, (n,), generator=g).double(),
+        "half": torch.randint(-2048, 2048, (n,), generator=g).double() / 8,
+        "fraction": torch.rand(n, generator=g, dtype=torch.float64),
+        "spoiled": torch.randint(0, 3, (n,), generator=g).double(),
+    }[kind]
+    if kind == "spoiled":  # one bad value where the probe does not look (index 1 is not a multiple of 61)
+        t[1] = -0.0 if dtype.is_floating_point else -1
+    t = t.to(dtype)
+    if kind == "spoiled" and dtype.is_floating_point:
+        assert bits(t[1:2]).tolist() != bits(torch.zeros(1, dtype=dtype)).tolist()
+    header = json.loads(encode({"t": t}, downcast=True).header)
+    expected = _reference_target(t)
+    assert header["root"]["v"][0].get("sd") == (None if expected is None else str(expected).split(".")[1])
+    assert torch.equal(bits(roundtrip({"t": t}, downcast=True)["t"]), bits(t))
+    if dtype not in (torch.bfloat16,):  # numpy arrays take the same decision
+        a = t.numpy()
+        out = roundtrip({"a": a}, downcast=True)["a"]
+        assert out.dtype == a.dtype and out.tobytes() == a.tobytes()
+
+
+def test_detach_copies_only_the_items_own_memory():
+    """A detached encoding survives in-place changes to the item; buffers the encoder made are not copied."""
+    image = torch.rand(1, 40, 40, 8)
+    label = (image > 0.5).float()
+    array = np.arange(4096, dtype=np.float32) / 3
+    item = {"image": image, "label": label, "array": array, "t": torch.rand(64, 32).T}
+    enc = encode(item, downcast=True)
+    assert enc.borrowed == [True, False, True, True]  # the label was downcast to uint8: a new buffer
+    detached = enc.detach()
+    assert detached.buffers[1] is enc.buffers[1]
+    expected = decode(enc.to_bytes())
+    image.fill_(7)
+    array[:] = 0
+    item["t"].zero_()
+    assert_same(decode(detached.to_bytes()), expected)
+    assert not torch.equal(decode(enc.to_bytes())["image"], expected["image"])  # the undetached one changed
+
+
+def test_disk_blobs_record_no_data_crc_and_unknown_flags_are_refused():
+    item = {"x": torch.rand(100, 100)}
+    enc = encode(item)
+    blob = b"".join(bytes(c) for c in enc.chunks(data_crc=False))
+    flags, dcrc = struct.unpack_from("<8sIIQQII", blob)[2], struct.unpack_from("<8sIIQQII", blob)[6]
+    assert (flags, dcrc) == (codec.FLAG_NO_DATA_CRC, 0)
+    assert torch.equal(decode(bytearray(blob), verify=True)["x"], item["x"])  # nothing more to verify: not an error
+    with_crc = enc.to_bytes()
+    with_crc[-1] ^= 1
+    with pytest.raises(CorruptEntryError, match="data checksum"):
+        decode(with_crc, verify=True)
+    odd = bytearray(blob)
+    struct.pack_into("<I", odd, 12, 6)
+    with pytest.raises(CorruptEntryError, match="unknown flags"):
+        decode(odd)
+
+
 def test_lossy_per_key_is_explicit():
     img = torch.rand(16, 16) * 100
     enc = encode({"image": img, "label": img.clone()}, lossy={"image": torch.float16})
