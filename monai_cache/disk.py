@@ -48,7 +48,6 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import fcntl
 import hashlib
@@ -299,7 +298,7 @@ def write_entry(
     os.lseek(fd, offset + HEADER_SIZE, os.SEEK_SET)
     sink = _Sink(fd)
     if level is None:
-        for chunk in enc.chunks():
+        for chunk in enc.chunks(data_crc=False):
             sink.write(chunk)
         flags = 0
     else:
@@ -307,7 +306,7 @@ def write_entry(
             raise RuntimeError("compression needs the 'zstandard' package: pip install zstandard")
         try:
             with _compressor(level, threads).stream_writer(sink, size=enc.nbytes, closefd=False) as writer:
-                for chunk in enc.chunks():
+                for chunk in enc.chunks(data_crc=False):
                     writer.write(chunk)
         except Exception:
             if sink.error is not None:  # e.g. ENOSPC, which zstd reports as "Src size is incorrect"
@@ -1011,7 +1010,7 @@ class DiskStore:
     def _init_runtime(self, disabled: str | None = None) -> None:
         self._pid = os.getpid()
         self._cond = threading.Condition(threading.Lock())
-        self._pending: dict[str, tuple[Any, int]] = {}
+        self._pending: dict[str, tuple[codec.Encoded, int, int]] = {}  # key -> (encoded copy, its size, raw size)
         self._pending_bytes = 0
         self._writing: str | None = None
         self._thread: threading.Thread | None = None
@@ -1184,9 +1183,9 @@ class DiskStore:
         """
         with self._cond:
             pending = self._pending.get(key)
-        if pending is not None:
+        if pending is not None:  # decoded from a copy of its blob, exactly as a read of the file would be
             self._count(hits=1)
-            return copy.deepcopy(pending[0])
+            return codec.decode(pending[0].to_bytes(), allow_pickle=self.allow_pickle)
         loc = self._locate(key)
         if loc is None:
             item = self._get_file(key)
@@ -1356,9 +1355,11 @@ class DiskStore:
     def put(self, key: str, item: Any) -> None:
         """Store ``item`` under ``key``: hand it to the writer thread, or write it now if writes are synchronous.
 
-        The writer gets its own copy of ``item`` (so that later in-place changes by the caller cannot reach
-        the file). Blocks while the pending writes exceed ``max_pending_writes`` or ``max_pending_bytes``.
-        Never raises for I/O problems: they are reported once and the item stays uncached.
+        ``item`` is encoded here, and the writer gets its own copy of the encoded bytes (so that later
+        in-place changes by the caller cannot reach the file; downcast values are only stored in their
+        smaller dtype). Blocks while the pending writes exceed ``max_pending_writes`` or
+        ``max_pending_bytes``. Never raises for I/O problems: they are reported once and the item stays
+        uncached.
 
         Args:
             key: the entry key.
@@ -1375,17 +1376,17 @@ class DiskStore:
         with self._cond:
             if key in self._pending:
                 return
-        if _nbytes(item) > self.max_pending_bytes:
+        raw = _nbytes(item)
+        enc = self._encode(key, item)
+        if enc is None:
+            return
+        if enc.nbytes > self.max_pending_bytes:
             # A volume larger than the whole queue: write it now, from the caller's item, rather than hold a
-            # deep copy of it for the writer (that copy would double the memory a multi-gigabyte item takes).
-            self.write(key, item)
+            # copy of it for the writer (that copy would double the memory a multi-gigabyte item takes).
+            self._write_encoded(key, enc, raw)
             return
-        try:
-            snapshot = copy.deepcopy(item)
-        except Exception:  # an object that cannot be copied: write it now (the codec will say if it can)
-            self.write(key, item)
-            return
-        size = _nbytes(snapshot)
+        enc = enc.detach()
+        size = enc.nbytes
         with self._cond:
             while (
                 self._pending
@@ -1400,7 +1401,7 @@ class DiskStore:
                     self._start_writer()  # (defensive: the writer only exits when nothing is pending)
             if self._disabled is not None or key in self._pending:
                 return
-            self._pending[key] = (snapshot, size)
+            self._pending[key] = (enc, size, raw)
             self._pending_bytes += size
             self._count(writes_pending=1)
             if self._thread is None:
@@ -1437,16 +1438,16 @@ class DiskStore:
                         return
                     self._cond.wait(left)
                 key = next(iter(self._pending))
-                item, size = self._pending[key]
+                enc, size, raw = self._pending[key]
                 self._writing = key
             try:
-                self.write(key, item)
+                self._write_encoded(key, enc, raw)
             except BaseException as e:  # never let the writer die with items pending
                 self._count(write_errors=1)
                 with contextlib.suppress(Exception):
                     warn(f"unexpected error while writing the disk cache entry for {self._name(key)}: {e!r}")
             finally:
-                del item
+                del enc
                 with self._cond:
                     if self._pending.pop(key, None) is not None:
                         self._pending_bytes -= size
@@ -1476,18 +1477,35 @@ class DiskStore:
         if self._disabled is not None:
             self._count(skipped=1)
             return False
-        final = self.path(key)
-        if not replace and (self._locate(key) is not None or os.path.exists(final)):
+        if not replace and self._exists(key):
             self._count(skipped=1)
             return True
+        enc = self._encode(key, item)
+        return enc is not None and self._write_encoded(key, enc, _nbytes(item), replace=True)
+
+    def _exists(self, key: str) -> bool:
+        return self._locate(key) is not None or os.path.exists(self.path(key))
+
+    def _encode(self, key: str, item: Any) -> codec.Encoded | None:
+        """``item`` encoded, or None (reported once, and never tried again) if the codec cannot store it."""
         try:
-            enc = codec.encode(item, allow_pickle=self.allow_pickle, downcast=self.downcast, lossy=self.lossy)
+            return codec.encode(item, allow_pickle=self.allow_pickle, downcast=self.downcast, lossy=self.lossy)
         except codec.UnsupportedValueError as e:
             self._unsupported.add(key)
             self._count(unsupported=1)
             if self._shared.first(WARNED_UNSUPPORTED):
-                warn(f"{self._name(key)} is not cached: {e}", stacklevel=4)
+                warn(f"{self._name(key)} is not cached: {e}", stacklevel=5)
+            return None
+
+    def _write_encoded(self, key: str, enc: codec.Encoded, raw: int, replace: bool = False) -> bool:
+        """Write an encoded item (``raw``: the item's size in memory, for the counters); see :meth:`write`."""
+        if self._disabled is not None:
+            self._count(skipped=1)
             return False
+        if not replace and self._exists(key):
+            self._count(skipped=1)
+            return True
+        final = self.path(key)
         level = self.compression_level if self.compression else None
         if HEADER_SIZE + enc.nbytes < self.pack_limit:
             try:
@@ -1495,7 +1513,7 @@ class DiskStore:
             except OSError as e:
                 self._write_failed(key, e, enc.nbytes)
                 return False
-            self._count(writes=1, bytes_written=written, bytes_raw=_nbytes(item), bytes_encoded=enc.nbytes)
+            self._count(writes=1, bytes_written=written, bytes_raw=raw, bytes_encoded=enc.nbytes)
             return True
         tmp = self._tmp_path(key)
         written = 0
@@ -1521,7 +1539,7 @@ class DiskStore:
         loc = self._locate(key)
         if loc is not None:  # replaced by a file: this process reads the file from now on
             self._forget(key, loc)
-        self._count(writes=1, bytes_written=written, bytes_raw=_nbytes(item), bytes_encoded=enc.nbytes)
+        self._count(writes=1, bytes_written=written, bytes_raw=raw, bytes_encoded=enc.nbytes)
         return True
 
     def _open_pack(self) -> tuple[_PackWriter, int]:
@@ -1609,7 +1627,7 @@ class DiskStore:
             self._disabled = message
             dropped = len(self._pending) - (1 if self._writing in self._pending else 0)
             for k in [k for k in self._pending if k != self._writing]:
-                _, size = self._pending.pop(k)
+                size = self._pending.pop(k)[1]
                 self._pending_bytes -= size
             self._cond.notify_all()
         if dropped:
@@ -1650,12 +1668,12 @@ class DiskStore:
                     continue
                 # no writer (e.g. threads can no longer start at interpreter exit): write here
                 key = next(iter(self._pending))
-                item, size = self._pending[key]
+                enc, size, raw = self._pending[key]
                 self._writing = key
             try:
-                self.write(key, item)
+                self._write_encoded(key, enc, raw)
             finally:
-                del item
+                del enc
                 with self._cond:
                     if self._pending.pop(key, None) is not None:
                         self._pending_bytes -= size
@@ -1668,7 +1686,7 @@ class DiskStore:
         with self._cond:
             keys = [k for k in self._pending if k != self._writing]
             for k in keys:
-                _, size = self._pending.pop(k)
+                size = self._pending.pop(k)[1]
                 self._pending_bytes -= size
             while self._writing is not None and self._pid == os.getpid():
                 self._cond.wait(0.5)

@@ -328,6 +328,7 @@ def test_put_returns_before_the_write_and_flush_waits(tmp_path, monkeypatch):
     item["image"].fill_(7)  # the caller changes its item in place: the writer has its own copy
     pending = store.get("a")  # served from memory while pending, as a private copy
     assert not torch.equal(pending["image"], item["image"])
+    assert_same(pending, item_for("a"))  # and exactly what a read of the file will give
     pending["image"].fill_(9)
     assert store.flush(10)
     assert store.stats()["process"]["writes_pending"] == 0
