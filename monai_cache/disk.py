@@ -939,7 +939,7 @@ class DiskStore:
         async_writes: write in a background thread (True) or in :meth:`put` itself (False).
         fsync: ``fsync`` each file and the directory after the rename (survives power loss; slower).
         max_pending_writes: most items waiting for the writer; :meth:`put` blocks when reached.
-        max_pending_bytes: most bytes of items waiting for the writer (an int or a string like ``"512MiB"``);
+        max_pending_bytes: most bytes of encoded items waiting for the writer (an int or a string like ``"512MiB"``);
             a single larger item is still accepted when nothing else is pending.
         writable: False to only read (no file is ever written or removed).
         describe: names an entry key in warnings (e.g. with the data item); default: the key.

@@ -149,7 +149,7 @@ class PersistentDataset(_MonaiPersistentDataset):
         fsync: ``fsync`` each file and the directory on write, so that entries survive a power loss (slower).
             Without it a file damaged by a crash of the machine fails its checksum and is recomputed.
         max_pending_writes: most items queued for the background writer in each process.
-        max_pending_bytes: most bytes of items queued for the background writer in each process (an int or a
+        max_pending_bytes: most bytes of encoded items queued for the background writer in each process (an int or a
             string such as ``"512MiB"``).
     """
 
