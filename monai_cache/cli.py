@@ -114,7 +114,7 @@ def _ls_run(args: argparse.Namespace) -> int:
 
     try:
         caches = _shm_caches(args.shm_dir)
-    except (FileNotFoundError, PermissionError) as e:
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"monai-cache: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -405,7 +405,7 @@ def _clear_run(args: argparse.Namespace) -> int:
         return 0
     try:
         caches = _shm_caches(args.shm_dir)
-    except (FileNotFoundError, PermissionError) as e:
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"monai-cache clear: {e}", file=sys.stderr)
         return 2
     removed: list[dict[str, Any]] = []

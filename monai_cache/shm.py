@@ -93,11 +93,14 @@ def cache_root(shm_dir: str | None = None, create: bool = True) -> str:
         PermissionError: if it exists but belongs to another user or is not a directory (someone may be
             trying to plant entries); remove it or choose another ``shm_dir``.
         FileNotFoundError: if ``shm_dir`` does not exist.
+        NotADirectoryError: if ``shm_dir`` is not a directory.
     """
     base = shm_dir or default_shm_dir()
     if not os.path.isdir(base):
-        raise FileNotFoundError(
-            f"shared-memory directory {base!r} does not exist. Pass shm_dir=... (or set ${ENV_SHM_DIR}) to a "
+        what = "is not a directory" if os.path.exists(base) else "does not exist"
+        error = NotADirectoryError if os.path.exists(base) else FileNotFoundError
+        raise error(
+            f"shared-memory directory {base!r} {what}. Pass shm_dir=... (or set ${ENV_SHM_DIR}) to a "
             "tmpfs directory, or shared_memory=False to keep MONAI's in-process cache."
         )
     root = os.path.join(base, f"monai_cache-{os.getuid()}")

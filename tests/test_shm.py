@@ -58,6 +58,15 @@ def test_root_owned_by_someone_else_is_refused(shm_dir):
         SharedMemoryStore("k", 1)
 
 
+def test_missing_or_file_shm_dir_is_named_with_what_to_do(shm_dir):
+    missing, a_file = os.path.join(shm_dir, "nope"), os.path.join(shm_dir, "a-file")
+    open(a_file, "w").close()
+    with pytest.raises(FileNotFoundError, match="'.*nope' does not exist. Pass shm_dir="):
+        SharedMemoryStore("k", 1, shm_dir=missing)
+    with pytest.raises(NotADirectoryError, match="'.*a-file' is not a directory. Pass shm_dir="):
+        SharedMemoryStore("k", 1, shm_dir=a_file)
+
+
 def test_get_set_len_and_negative_index(shm_dir):
     store = SharedMemoryStore("k2", 3)
     assert len(store) == 3 and store[0] is None and store[-1] is None
