@@ -168,6 +168,7 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
         for a, b in (("ours_cold", "uncached"), ("monai_cold", "uncached"), ("ours_cold", "ours_nocache"),
                      ("ours_cold", "monai_cold"))
     }
+    out["raw"] = {k: [[round(w, 4), round(c, 4)] for w, c in v] for k, v in t.items()}  # type: ignore[assignment]
     out["workers"] = workers  # type: ignore[assignment]
     return out
 
