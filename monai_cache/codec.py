@@ -199,17 +199,23 @@ class Encoded:
         if self.nbytes > pos:
             yield bytes(self.nbytes - pos)
 
-    def write_into(self, out: memoryview) -> None:
-        """Copy the blob into ``out`` (at least ``nbytes`` long); padding is left as it is in ``out``."""
-        head = self.prefix() + self.header
+    def write_into(self, out: memoryview, data_crc: bool = True) -> None:
+        """Copy the blob into ``out`` (at least ``nbytes`` long); padding is left as it is in ``out``.
+
+        Args:
+            out: the destination.
+            data_crc: see :meth:`prefix`.
+        """
+        head = self.prefix(data_crc) + self.header
         out[: len(head)] = head
         for off, buf in zip(self.offsets, self.buffers):
             start = self.data_offset + off
             out[start : start + buf.nbytes] = buf
 
-    def to_bytes(self) -> bytearray:
+    def to_bytes(self, data_crc: bool = True) -> bytearray:
+        """The blob as a new ``bytearray`` (``data_crc``: see :meth:`prefix`)."""
         out = bytearray(self.nbytes)
-        self.write_into(memoryview(out))
+        self.write_into(memoryview(out), data_crc)
         return out
 
 

@@ -1185,7 +1185,7 @@ class DiskStore:
             pending = self._pending.get(key)
         if pending is not None:  # decoded from a copy of its blob, exactly as a read of the file would be
             self._count(hits=1)
-            return codec.decode(pending[0].to_bytes(), allow_pickle=self.allow_pickle)
+            return codec.decode(pending[0].to_bytes(data_crc=False), allow_pickle=self.allow_pickle)
         loc = self._locate(key)
         if loc is None:
             item = self._get_file(key)
