@@ -5,9 +5,10 @@ Usage::
     python benchmarks/bench_persistent.py            # ~160x160x96 volumes (a few minutes on 2 cores)
     python benchmarks/bench_persistent.py --quick    # small volumes, well under a minute
 
-What it does, on synthetic CT-like NIfTI files (int16 images: air at -1000 HU, a noisy body, a few
-blobs; uint8 labels) and the chain of MONAI's 3-D segmentation tutorials (LoadImaged,
-EnsureChannelFirstd, Orientationd, Spacingd, ScaleIntensityRanged(clip=True), RandCropByPosNegLabeld),
+What it does, on the main job's data (``monai_cache.synthetic``: the CT-like volumes and the chain of
+MONAI's 3-D segmentation tutorials that ``monai-cache demo`` trains on: LoadImaged, EnsureChannelFirstd,
+Orientationd, Spacingd, ScaleIntensityRanged(clip=True), RandCropByPosNegLabeld; ``--data quantized``: the
+simpler volumes of :func:`make_volumes`, whose resampled values repeat exactly and compress much better),
 with a ``monai.data.DataLoader`` of ``--workers`` worker processes in a single process:
 
 1. bytes on disk per item: the ``.nii.gz`` sources, MONAI's ``torch.save`` files, ours (lossless default,
@@ -59,6 +60,7 @@ from monai.transforms import (  # noqa: E402
 
 from monai_cache import disk  # noqa: E402
 from monai_cache.persistent import DEFAULT_COMPRESSION_LEVEL, PersistentDataset  # noqa: E402
+from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transforms  # noqa: E402
 
 KEYS = ("image", "label")
 
@@ -92,7 +94,21 @@ def make_volumes(directory: str, items: int, shape: tuple[int, int, int], seed: 
     return out
 
 
+DATA = "main"  # which data and chain: "main" (the demo's) or "quantized" (make_volumes); set by --data
+
+
+def make_data(directory: str, items: int, shape: tuple[int, int, int]) -> list[dict]:
+    """The benchmark's volumes: the main job's (``monai_cache.synthetic``, as ``monai-cache demo`` uses) or,
+    with ``--data quantized``, :func:`make_volumes`."""
+    if DATA == "main":
+        return make_dataset(directory, items, shape)
+    return make_volumes(directory, items, shape)
+
+
 def make_chain(crop: tuple[int, int, int]) -> Compose:
+    """The tutorial chain: ``monai_cache.synthetic.tutorial_transforms`` for the main job's data."""
+    if DATA == "main":
+        return tutorial_transforms(crop)
     return Compose(
         [
             LoadImaged(keys=KEYS),
@@ -200,9 +216,19 @@ def main(argv: list[str] | None = None) -> dict:
         "--no-spare-core", action="store_true", help="skip the cold epochs with one worker fewer than CPUs"
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument(
+        "--data", choices=("main", "quantized"), default="main",
+        help="main: the main job's volumes and chain (monai_cache.synthetic, as `monai-cache demo`); quantized: "
+        "simpler volumes whose resampled values repeat exactly (the earlier benchmark's data)",
+    )
     args = ap.parse_args(argv)
+    global DATA
+    DATA = args.data
     shape = (64, 64, 40) if args.quick else (160, 160, 96)
-    crop = (32, 32, 16) if args.quick else (64, 64, 48)
+    if DATA == "main":
+        crop = crop_size_for(shape)
+    else:
+        crop = (32, 32, 16) if args.quick else (64, 64, 48)
     items = args.items or (6 if args.quick else 24)
     repeats = args.repeats or 3
     levels = [-5, -1, 1, 3, 6] if args.quick else [-10, -5, -3, -1, 1, 2, 3, 6]
@@ -215,11 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
         "items": items,
         "repeats": repeats,
         "workers": args.workers,
+        "data": DATA,
     }
     try:
-        data = make_volumes(os.path.join(root, "data"), items, shape)
+        data = make_data(os.path.join(root, "data"), items, shape)
         src = sum(os.path.getsize(v) for d in data for v in d.values()) / items
-        print(f"# {items} items of {shape} voxels, {args.workers} DataLoader workers, {repeats} repeats")
+        print(f"# {items} items of {shape} voxels ({DATA} data), {args.workers} DataLoader workers, {repeats} repeats")
         print(f"# {results['machine']}; load average at start {os.getloadavg()[0]:.1f}")
 
         # ---- epochs
