@@ -144,6 +144,7 @@ makes both compression (cold epoch) and decompression (warm epochs) about twice 
 STALE_TMP_SECONDS = 3600.0  # temporary files older than this are left-overs of killed writers
 _HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 _IO_CHUNK = 1 << 30
+_COMPRESS_PIECE = 4 << 20  # bytes per compressor call
 
 
 class _Missing:
@@ -231,32 +232,24 @@ def read_header(head: bytes | bytearray | memoryview, key: str | None = None, fi
 
 
 class _Sink:
-    """Sequential writes to a file descriptor, with a running CRC-32 and byte count (a zstd stream target)."""
+    """Sequential writes to a file descriptor, with a running CRC-32 and byte count."""
 
-    __slots__ = ("crc", "error", "fd", "n")
+    __slots__ = ("crc", "fd", "n")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.crc = 0
         self.n = 0
-        self.error: OSError | None = None  # kept because zstd replaces it with an error of its own
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = view.nbytes
         self.crc = zlib.crc32(view, self.crc)
         while view.nbytes:
-            try:
-                n = os.write(self.fd, view[:_IO_CHUNK])
-            except OSError as e:
-                self.error = e
-                raise
+            n = os.write(self.fd, view[:_IO_CHUNK])
             view = view[n:]
         self.n += total
         return total
-
-    def flush(self) -> None:  # zstandard calls it when the stream is flushed
-        pass
 
 
 _local = threading.local()
@@ -304,14 +297,17 @@ def write_entry(
     else:
         if zstd is None:  # pragma: no cover
             raise RuntimeError("compression needs the 'zstandard' package: pip install zstandard")
-        try:
-            with _compressor(level, threads).stream_writer(sink, size=enc.nbytes, closefd=False) as writer:
-                for chunk in enc.chunks(data_crc=False):
-                    writer.write(chunk)
-        except Exception:
-            if sink.error is not None:  # e.g. ENOSPC, which zstd reports as "Src size is incorrect"
-                raise sink.error from None
-            raise
+        # The compressor gets 4 MiB per call, each without the GIL, and we write its output: a stream writer
+        # would call back into Python (our sink) for every 128 KiB it produces, and each callback must win
+        # the GIL back from the thread computing the next item. The pieces bound the output held in memory.
+        cobj = _compressor(level, threads).compressobj(size=enc.nbytes)
+        for chunk in enc.chunks(data_crc=False):
+            view = memoryview(chunk).cast("B")
+            for start in range(0, view.nbytes, _COMPRESS_PIECE):
+                out = cobj.compress(view[start : start + _COMPRESS_PIECE])
+                if out:
+                    sink.write(out)
+        sink.write(cobj.flush())
         flags = FLAG_ZSTD
     head = _pack_header(flags, enc.nbytes, sink.n, sink.crc, key)
     if os.pwrite(fd, head, offset) != HEADER_SIZE:  # pragma: no cover - a 64-byte pwrite is not split
