@@ -542,15 +542,25 @@ def test_sigkill_during_writes_then_every_file_is_valid_or_recomputed(tmp_path):
     data = [{"seed": i} for i in range(200)]
     rng = random.Random(7)
     mid_write = 0
-    for _ in range(15):
-        if mid_write >= 3:
+
+    def writing(pid: int) -> bool:  # a temporary file of this process exists: it is inside a write
+        return any(n.endswith(".tmp") and f".{pid}." in n for n in os.listdir(tmp_path))
+
+    # After a random time, kill as soon as the process is seen inside a write (a write takes a few ms of each
+    # item's time, so random kills alone can keep missing it on a loaded machine), or after 0.3 s more; go on
+    # (up to 40 kills) until two kills have landed inside a write.
+    for _ in range(40):
+        if mid_write >= 2:
             break
         p = FORK.Process(target=_iterate_forever, args=(data, str(tmp_path)))
         p.start()
-        time.sleep(rng.uniform(0.1, 0.4))
+        time.sleep(rng.uniform(0.05, 0.3))
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline and not writing(p.pid):
+            time.sleep(0.001)
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
-        mid_write += any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+        mid_write += writing(p.pid)
     assert mid_write > 0, "no kill landed during a write (the test did not exercise the hazard)"
     names = files(tmp_path)
     assert names

@@ -61,9 +61,9 @@ def test_root_owned_by_someone_else_is_refused(shm_dir):
 def test_missing_or_file_shm_dir_is_named_with_what_to_do(shm_dir):
     missing, a_file = os.path.join(shm_dir, "nope"), os.path.join(shm_dir, "a-file")
     open(a_file, "w").close()
-    with pytest.raises(FileNotFoundError, match="'.*nope' does not exist. Pass shm_dir="):
+    with pytest.raises(FileNotFoundError, match=r"'.*nope' does not exist\. Pass shm_dir="):
         SharedMemoryStore("k", 1, shm_dir=missing)
-    with pytest.raises(NotADirectoryError, match="'.*a-file' is not a directory. Pass shm_dir="):
+    with pytest.raises(NotADirectoryError, match=r"'.*a-file' is not a directory\. Pass shm_dir="):
         SharedMemoryStore("k", 1, shm_dir=a_file)
 
 
