@@ -315,12 +315,6 @@ def _lossless_downcast(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _lossless_target(t: torch.Tensor) -> torch.dtype | None:
-    """The smallest dtype that holds every value of ``t`` exactly, if smaller (see :func:`_lossless_downcast`)."""
-    cast = _lossless_downcast(t.contiguous())
-    return None if cast is None else cast.dtype
-
-
 class _Encoder:
     def __init__(self, allow_pickle: bool, downcast: bool, lossy: Mapping[str, torch.dtype] | None) -> None:
         self.allow_pickle = allow_pickle
@@ -397,16 +391,19 @@ class _Encoder:
         if data.dtype.byteorder == ">":
             node["dt"] = data.dtype.newbyteorder("<").str
             data = data.astype(data.dtype.newbyteorder("<"))
-        stored = None
         if top_key is not None and top_key in self.lossy:
-            stored = self.lossy[top_key]
-        elif self.downcast and data.dtype.kind in "iuf" and data.nbytes >= DOWNCAST_MIN_BYTES:
-            stored = _lossless_target(torch.from_numpy(np.ascontiguousarray(data.reshape(-1))))
-        if stored is not None:
-            sd = np.dtype(str(stored).replace("torch.", "")) if stored != torch.bfloat16 else None
+            lossy = self.lossy[top_key]
+            sd = np.dtype(str(lossy).replace("torch.", "")) if lossy != torch.bfloat16 else None
             if sd is not None and sd != data.dtype:
                 node["sd"] = sd.str
                 data = data.astype(sd, order="K")
+        elif self.downcast and data.dtype.kind in "iuf" and data.nbytes >= DOWNCAST_MIN_BYTES:
+            # checked in storage order (a view of the C- or Fortran-ordered data); numpy has no bfloat16
+            cast = _lossless_downcast(torch.from_numpy(data.reshape(-1, order="A")))
+            if cast is not None and cast.dtype != torch.bfloat16:
+                stored = cast.numpy()
+                node["sd"] = stored.dtype.str
+                data = stored.reshape(data.shape, order="F" if node.get("F") else "C")
         self.keepalive.append(data)
         view = memoryview(data.reshape(-1, order="A")).cast("B")  # type: ignore[arg-type]
         self._add_buffer(node, view, borrowed=np.may_share_memory(data, a))

@@ -248,6 +248,16 @@ def test_lossless_target_matches_the_whole_tensor_definition(monkeypatch, dtype,
         assert out.dtype == a.dtype and out.tobytes() == a.tobytes()
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_numpy_arrays_are_downcast_in_their_storage_order(order):
+    a = np.array(np.arange(3600).reshape(60, 60) % 2000 - 300, dtype=np.float64, order=order)
+    a[7, 3] = -0.0 if order == "C" else 5.0  # -0.0 forbids integers: float16 then (exact for these values)
+    node = json.loads(encode({"a": a}, downcast=True).header)["root"]["v"][0]
+    assert node["sd"] == ("<f2" if order == "C" else "<i2") and node.get("F", False) == (order == "F")
+    out = roundtrip({"a": a}, downcast=True)["a"]
+    assert out.dtype == a.dtype and out.flags.f_contiguous == (order == "F") and out.tobytes("A") == a.tobytes("A")
+
+
 def test_detach_copies_only_the_items_own_memory():
     """A detached encoding survives in-place changes to the item; buffers the encoder made are not copied."""
     image = torch.rand(1, 40, 40, 8)
