@@ -7,7 +7,8 @@ Layout (``root`` is ``/dev/shm`` unless configured)::
         <key>/                         one directory per dataset fingerprint
             lease                      every process using the cache holds a shared flock on it
             keep                       present when the cache is to outlive its users (keep_warm=True)
-            stats                      4 KiB of shared counters (bytes, entries, hits, misses, ...)
+            stats                      4 KiB of shared counters (bytes, entries, hits, misses, ...) and
+                                       per-process hit slots
             locks                      byte i is OFD-locked while someone computes entry i
             <i>.e                      entry i: an encoded blob (see monai_cache.codec), mode 0600
             .tmp.<pid>.<n>             an entry being written; renamed to <i>.e when complete
@@ -79,6 +80,14 @@ _STATS_MAGIC = 0x4D43535432  # "MCST2": the layout of this version (32-byte inde
 _STATS_SIZE = 4096
 _FLAG_WARNED_FULL = 1
 _U64 = struct.Struct("<Q")
+# Hits are counted on every read, so each process counts them in a u64 slot of its own after the shared
+# counters, without the cross-process lock; the machine-wide count is the shared "hits" plus every slot. A
+# process owns its slot by holding an OFD lock on the slot's first byte, which the kernel drops when the
+# process dies; the next process to claim that slot keeps adding to its count. (Older versions, same magic,
+# never touch these bytes: they only miss this version's hits when both share one cache at once.)
+_HIT_SLOTS_AT = 128
+_HIT_SLOTS = (_STATS_SIZE - _HIT_SLOTS_AT) // 8
+_HIT_SLOTS_FMT = struct.Struct(f"<{_HIT_SLOTS}Q")
 
 
 def default_shm_dir() -> str:
@@ -129,7 +138,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or 
 class _Stats:
     """Counters shared by every process of one cache (a small MAP_SHARED file)."""
 
-    __slots__ = ("_fd", "_lock", "_map", "_path", "_pid")
+    __slots__ = ("_fd", "_hit_slot", "_hit_slot_pid", "_lock", "_map", "_path", "_pid")
 
     def __init__(self, path: str) -> None:
         self._path = path
@@ -153,6 +162,8 @@ class _Stats:
             os.close(fd)
         self._pid = -1
         self._fd = -1
+        self._hit_slot = -1  # byte offset of this process's hit slot; -1: none (count under the lock)
+        self._hit_slot_pid = -1  # the process that claimed it (a forked child claims its own)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -187,6 +198,31 @@ class _Stats:
         with self._lock, self._locked():
             return self._add(deltas)
 
+    def count_hit(self) -> None:
+        """``hits += 1``, in this process's own slot: no system call once the slot is claimed."""
+        with self._lock:
+            if self._hit_slot_pid != os.getpid():
+                self._claim_hit_slot()
+            off = self._hit_slot
+            if off < 0:  # every slot taken by a live process, or the cache was removed under us
+                with self._locked():
+                    self._add({"hits": 1})
+                return
+            _U64.pack_into(self._map, off, _U64.unpack_from(self._map, off)[0] + 1)
+
+    def _claim_hit_slot(self) -> None:
+        # Called with self._lock held. The lock must be on this process's own descriptor (see _lock_fd):
+        # locks on one open file description do not conflict with each other.
+        self._hit_slot_pid = os.getpid()
+        self._hit_slot = -1
+        fd = self._lock_fd()
+        if fd < 0:
+            return
+        for off in range(_HIT_SLOTS_AT, _STATS_SIZE, 8):
+            if ofd_lock(fd, off, blocking=False):
+                self._hit_slot = off
+                return
+
     def _add(self, deltas: dict[str, int]) -> dict[str, int]:
         out = {}
         for name, d in deltas.items():
@@ -210,15 +246,16 @@ class _Stats:
             _U64.pack_into(self._map, 0, _STATS_MAGIC)
 
     def snapshot(self) -> dict[str, int]:
-        return {name: _U64.unpack_from(self._map, off)[0] for name, off in _STAT_OFFSET.items()}
+        return _unpack_stats(self._map)
 
     def reinit_after_fork(self) -> None:
         self._lock = threading.Lock()
 
     def close_fd(self) -> None:
         if self._fd >= 0 and self._pid == os.getpid():
-            os.close(self._fd)
+            os.close(self._fd)  # also gives up this process's hit slot (its count stays)
         self._fd, self._pid = -1, -1
+        self._hit_slot, self._hit_slot_pid = -1, -1
 
     def close(self) -> None:
         self.close_fd()
@@ -236,7 +273,15 @@ def _read_stats(path: str) -> dict[str, int] | None:
         return None
     if len(raw) < 8 + 8 * len(_STAT_FIELDS):
         return None
-    return {name: _U64.unpack_from(raw, off)[0] for name, off in _STAT_OFFSET.items()}
+    return _unpack_stats(raw)
+
+
+def _unpack_stats(raw: bytes | mmap.mmap) -> dict[str, int]:
+    """The shared counters, with ``hits`` summed over the per-process hit slots."""
+    out = {name: _U64.unpack_from(raw, off)[0] for name, off in _STAT_OFFSET.items()}
+    if len(raw) >= _STATS_SIZE:
+        out["hits"] += sum(_HIT_SLOTS_FMT.unpack_from(raw, _HIT_SLOTS_AT))
+    return out
 
 
 def _stats_magic(path: str) -> int | None:
@@ -750,7 +795,7 @@ class SharedMemoryStore:
         if count:
             self._proc_stats["hits"] += 1
             self._proc_stats["bytes_read"] += view.nbytes
-            self._dir.stats.add(hits=1)
+            self._dir.stats.count_hit()
         return item
 
     def _discard_corrupt(self, i: int, slot: Any, why: str) -> None:

@@ -369,3 +369,86 @@ def test_pickled_store_reopens_same_cache(shm_dir):
     assert clone.path == store.path and clone[1]["name"] == "case1"
     clone.release()
     store.release()
+
+
+class _StoreItems(torch.utils.data.Dataset):
+    def __init__(self, store: SharedMemoryStore) -> None:
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.store[i]["index"])
+
+
+def test_hits_are_counted_machine_wide_without_a_lock_per_read(shm_dir):
+    """Each process counts its hits in a slot of its own: threads, forked DataLoader workers, independent
+    processes, one killed, and one that finds every slot taken all add up to the machine-wide count."""
+    import threading
+
+    from monai_cache import shm
+    from monai_cache.utils import ofd_lock
+
+    n = 8
+    store = SharedMemoryStore("hits", n)
+    for i in range(n):
+        store[i] = item(i)
+    expected = 0
+
+    def read_all(times: int) -> None:
+        for _ in range(times):
+            for i in range(n):
+                assert store[i]["index"] == i
+
+    threads = [threading.Thread(target=read_all, args=(200,)) for _ in range(4)]  # racing on one slot
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected += 4 * 200 * n
+    assert store.stats()["process"]["hits"] == expected
+
+    loader = torch.utils.data.DataLoader(_StoreItems(store), batch_size=2, num_workers=2,
+                                         multiprocessing_context="fork")
+    for _ in range(3):
+        assert sorted(int(v) for batch in loader for v in batch) == list(range(n))
+    expected += 3 * n
+
+    reader = """
+        import sys
+        from monai_cache.shm import SharedMemoryStore
+        s = SharedMemoryStore("hits", 8)
+        for _ in range(int(sys.argv[1])):
+            for i in range(8):
+                assert s[i]["index"] == i
+        print("read", flush=True)
+        if sys.argv[2] == "wait":
+            input()
+    """
+    killed = subprocess.Popen([PY, "-c", textwrap.dedent(reader), "5", "wait"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "read"
+    killed.kill()  # its slot is freed by the kernel; its count stays
+    killed.wait(30)
+    expected += 5 * n
+    for _ in range(2):  # these reuse freed slots
+        subprocess.run([PY, "-c", textwrap.dedent(reader), "3", "exit"], check=True, timeout=60)
+        expected += 3 * n
+    assert store.stats()["machine"]["hits"] == expected
+
+    # Every slot held by someone alive (as by hundreds of workers): a newcomer counts under the shared lock.
+    stats_path = os.path.join(store.path, "stats")
+    holder = os.open(stats_path, os.O_RDWR)
+    try:
+        for off in range(shm._HIT_SLOTS_AT, shm._STATS_SIZE, 8):
+            ofd_lock(holder, off, blocking=False)
+        subprocess.run([PY, "-c", textwrap.dedent(reader), "4", "exit"], check=True, timeout=60)
+        expected += 4 * n
+        raw = open(stats_path, "rb").read()
+        assert shm._U64.unpack_from(raw, shm._STAT_OFFSET["hits"])[0] == 4 * n  # the newcomer's hits, all shared
+    finally:
+        os.close(holder)
+    assert store.stats()["machine"]["hits"] == expected
+    assert list_caches()[0]["hits"] == expected  # `monai-cache ls` reads the file, slots included
+    store.release()
