@@ -533,6 +533,10 @@ def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
     return hlen, total
 
 
+_JSON = json.JSONDecoder()
+_JSON_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
 class _Decoder:
     def __init__(self, data: memoryview, buffers: list, allow_pickle: bool) -> None:
         self.data = data
@@ -557,8 +561,11 @@ class _Decoder:
     @staticmethod
     def _shape(node: dict) -> list[int]:
         shape = node.get("sh")
-        if not isinstance(shape, list) or len(shape) > 64 or not all(type(s) is int and s >= 0 for s in shape):
+        if type(shape) is not list or len(shape) > 64:
             raise CorruptEntryError(f"bad shape {shape!r}")
+        for s in shape:
+            if type(s) is not int or s < 0:
+                raise CorruptEntryError(f"bad shape {shape!r}")
         return shape
 
     def _tensor(self, node: dict) -> torch.Tensor:
@@ -622,12 +629,13 @@ class _Decoder:
     def node(self, node: Any, depth: int) -> Any:
         if depth > MAX_DEPTH + 8:
             raise CorruptEntryError("nesting too deep")
-        if node is None or isinstance(node, (bool, int, float, str)):
+        kind = type(node)  # json.loads makes only these exact types
+        if kind in _JSON_SCALARS:
             return node
-        if isinstance(node, list):
-            return [self.node(v, depth + 1) for v in node]
-        if not isinstance(node, dict):
-            raise CorruptEntryError(f"unexpected header node {type(node).__name__}")
+        if kind is list:  # leaves are most of a meta dict: no call for them
+            return [v if type(v) in _JSON_SCALARS else self.node(v, depth + 1) for v in node]
+        if kind is not dict:
+            raise CorruptEntryError(f"unexpected header node {kind.__name__}")
         tag = node.get("~")
         if tag == "d":
             keys, values = node.get("k"), node.get("v")
@@ -635,9 +643,9 @@ class _Decoder:
                 raise CorruptEntryError("malformed dict node")
             out = {}
             for k, v in zip(keys, values):
-                key = self.node(k, depth + 1)
+                key = k if type(k) is str else self.node(k, depth + 1)
                 try:
-                    out[key] = self.node(v, depth + 1)
+                    out[key] = v if type(v) in _JSON_SCALARS else self.node(v, depth + 1)
                 except TypeError:
                     raise CorruptEntryError(f"unhashable dict key of type {type(key).__name__}") from None
             return out
@@ -761,25 +769,27 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
     if zlib.crc32(raw_header) != crc:
         raise CorruptEntryError("header checksum mismatch")
     try:
-        header = json.loads(bytes(raw_header))
-    except (ValueError, RecursionError) as e:
+        text = str(raw_header, "utf-8")
+        header, end = _JSON.raw_decode(text)  # json.loads without its encoding sniffing and wrappers
+        if end != len(text):
+            raise ValueError(f"extra data at character {end}")
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptEntryError(f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict) or "root" not in header or not isinstance(header.get("buffers"), list):
         raise CorruptEntryError("header lacks root/buffers")
     data_offset = _align(PREFIX_SIZE + hlen)
     data = buf[data_offset:] if data_offset <= total else buf[total:]
     spans = []
+    size = data.nbytes
     for span in header["buffers"]:
-        if (
-            not isinstance(span, list)
-            or len(span) != 2
-            or not all(type(v) is int and v >= 0 for v in span)
-            or span[0] + span[1] > data.nbytes
-        ):
+        if type(span) is not list or len(span) != 2:
             raise CorruptEntryError(f"buffer span {span!r} outside the entry")
-        spans.append((span[0], span[1]))
+        off, n = span
+        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off + n > size:
+            raise CorruptEntryError(f"buffer span {span!r} outside the entry")
+        spans.append((off, n))
     end = 0
-    for off, n in sorted(spans):
+    for off, n in sorted(spans) if len(spans) > 1 else spans:
         if off < end:
             raise CorruptEntryError("overlapping buffers")
         end = off + n

@@ -359,6 +359,22 @@ def test_decoder_rejects_hostile_headers(root, buffers, data):
         decode(make_blob(root, buffers, data))
 
 
+@pytest.mark.parametrize("header, why", [
+    (b'{"root":1,"buffers":[]} {"root":2}', "not valid JSON"),  # a second document after the first
+    (b'{"root":1,"buffers":[]}x', "not valid JSON"),
+    (b'{"root":"\xff\xfe","buffers":[]}', "not valid JSON"),  # not UTF-8
+    (b' {"root":1,"buffers":[]}', "not valid JSON"),  # our encoder writes no whitespace
+    (b'[1,2]', "lacks root/buffers"),
+    (b'{"root":1,"buffers":[[true,0]]}', "outside the entry"),  # a bool is not an offset
+    (b'{"root":1,"buffers":[[0,1.5]]}', "outside the entry"),
+    (b'{"root":1,"buffers":[7]}', "outside the entry"),
+])
+def test_decoder_rejects_headers_that_are_not_one_well_formed_object(header, why):
+    with pytest.raises(CorruptEntryError, match=why):
+        decode(make_blob(None, header=header))
+    assert decode(make_blob(None, header=b'{"root":1,"buffers":[]}')) == 1
+
+
 def test_decoder_rejects_deep_nesting():
     for depth in (200, 100_000):
         header = b'{"root":' + b"[" * depth + b"1" + b"]" * depth + b',"buffers":[]}'
