@@ -338,19 +338,25 @@ def test_shared_memory_reader_recomputes_any_undecodable_entry(shm_dir):
 def test_atheris_bounded_run(tmp_path):
     """Coverage-guided fuzzing of the decoders (tests/reliability/fuzz_codec.py) for a bounded time."""
     pytest.importorskip("atheris")
-    seconds = env_int("MONAI_CACHE_ATHERIS_SECONDS", 8)
+    # Bounded by runs, not time, from a fixed seed and corpus: a slow CI machine explores as much as a fast
+    # one. (Not bit-for-bit reproducible: the coverage the Python code reports varies a little between runs.)
+    runs = env_int("MONAI_CACHE_ATHERIS_RUNS", 100_000)
+    seconds = env_int("MONAI_CACHE_ATHERIS_SECONDS", 300)  # a cap only, for a very slow machine
     script = os.path.join(os.path.dirname(__file__), "fuzz_codec.py")
     corpus = str(tmp_path / "corpus")
-    subprocess.run([sys.executable, script, "--make-corpus", corpus], check=True, timeout=300)
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    subprocess.run([sys.executable, script, "--make-corpus", corpus], check=True, timeout=300, env=env)
+    t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, script, corpus, f"-max_total_time={seconds}", "-rss_limit_mb=3072", "-timeout=10",
-         "-print_final_stats=1", "-seed=1"],
-        capture_output=True, text=True, timeout=300 + seconds,
+        [sys.executable, script, corpus, f"-runs={runs}", f"-max_total_time={seconds}", "-rss_limit_mb=3072",
+         "-timeout=10", "-print_final_stats=1", "-seed=1"],
+        capture_output=True, text=True, timeout=300 + seconds, env=env, cwd=str(tmp_path),
     )
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
-    runs = re.findall(r"stat::number_of_executed_units:\s*(\d+)", r.stderr)
-    record("fuzz/atheris", seconds=seconds, executions=int(runs[-1]) if runs else None, crashes=0, failures=0)
+    done = re.findall(r"stat::number_of_executed_units:\s*(\d+)", r.stderr)
+    record("fuzz/atheris", seconds=round(time.monotonic() - t0, 1), executions=int(done[-1]) if done else None,
+           crashes=0, failures=0)
 
 
 # ------------------------------------------------------------------------ shared-memory index slots
