@@ -15,8 +15,9 @@ resample, window to [0, 1] with clipping), this prints, against the size of the 
    bytes a coder that reached those entropies would need for the in-range voxels alone.
 
 This is the evidence behind "the size target sits at the information floor" in ``docs/persistent.md``:
-the low two bytes of every in-range float are scanner noise, so no lossless coder gets far below what is
-printed in (2). The estimates run low (histograms of 65,536 bins for the conditional ones).
+the low two bytes of every in-range float are scanner noise, so no general-purpose lossless coder gets far
+below what is printed in (2). (A coder that knew the resampling could store the int16 source instead, which
+is what the sources are.) The estimates run low (histograms of 65,536 bins for the conditional ones).
 Nothing is asserted.
 """
 
