@@ -713,15 +713,25 @@ def _numpy_dtype(spec: Any) -> np.dtype:
 _enum_classes: dict[str, type] = {}
 
 
+_enum_members: dict[tuple[str, Any], enum.Enum] = {}  # (class spec, value) -> member: meta dicts repeat a few
+
+
 def _load_enum(spec: Any, value: Any) -> enum.Enum:
+    if type(spec) is str and type(value) in (str, int):
+        member = _enum_members.get((spec, value))
+        if member is not None:
+            return member
     cls = _enum_classes.get(spec) if isinstance(spec, str) else None
     if cls is None:
         cls = _find_enum(spec)
         _enum_classes[spec] = cls
     try:
-        return cls(value)
+        member = cls(value)
     except ValueError:
         raise CorruptEntryError(f"{value!r} is not a member of {spec}") from None
+    if type(value) in (str, int) and len(_enum_members) < 1024:
+        _enum_members[(spec, value)] = member
+    return member
 
 
 def _find_enum(spec: Any) -> type:
