@@ -336,7 +336,7 @@ def test_shared_memory_reader_recomputes_any_undecodable_entry(shm_dir):
 
 # ----------------------------------------------------------------------------- atheris (if installed)
 def test_atheris_bounded_run(tmp_path):
-    """Coverage-guided fuzzing of the decoders (tests/reliability/fuzz_codec.py) for a bounded time."""
+    """Coverage-guided fuzzing of the decoders (tests/reliability/fuzz_codec.py) for a bounded number of inputs."""
     pytest.importorskip("atheris")
     # Bounded by runs, not time, from a fixed seed and corpus: a slow CI machine explores as much as a fast
     # one. (Not bit-for-bit reproducible: the coverage the Python code reports varies a little between runs.)
