@@ -301,68 +301,25 @@ def _ours_cache_extras(n: int, shm_dir: str, workers: int, timeout: float) -> di
 
 
 # ------------------------------------------------------------------------------------- large item
-_LARGE = r"""
-import gc, json, os, sys, time, zlib
-import torch
-from monai_cache.disk import DiskStore
-from monai_cache.shm import SharedMemoryStore
-
-def status():
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            if k in ("VmHWM", "VmRSS"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-mode, size, where, downcast = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-torch.set_num_threads(1)
-gc.collect(); reset_peak(); base = status()["VmRSS"]
-item = {"image": torch.rand(size // 4, generator=torch.Generator().manual_seed(0))}
-crc = zlib.crc32(item["image"].numpy())
-t = time.perf_counter()
-if mode == "shm":
-    store = SharedMemoryStore("large", 1, shm_dir=where)
-    store[0] = item
-else:
-    store = DiskStore(where, compression=None if mode == "disk-raw" else "zstd", downcast=downcast)
-    store.put("large", item)
-    store.flush()
-w = time.perf_counter() - t
-write_peak = status()["VmHWM"] - base
-del item; gc.collect(); reset_peak(); base = status()["VmRSS"]
-t = time.perf_counter()
-got = store[0] if mode == "shm" else store.get("large")
-same = zlib.crc32(got["image"].numpy()) == crc
-r = time.perf_counter() - t
-read_peak = status()["VmHWM"] - base
-print(json.dumps({"mode": mode, "downcast": downcast, "write_x": write_peak / size, "read_x": read_peak / size,
-                  "write_s": w, "read_s": r, "same": same}))
-"""
+LARGE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "large_item.py")  # also tests/test_scale.py
 
 
 def run_large(size_mb: int, shm_dir: str) -> list[dict]:
     out = []
     size = size_mb << 20
-    cases = [("shm", False), ("disk-raw", False), ("disk-zstd", False), ("disk-zstd", True)]
-    for mode, downcast in cases:
+    for mode in ("shm", "raw", "zstd", "zstd-downcast"):  # see large_item.py
         where = shm_dir if mode == "shm" else tempfile.mkdtemp(prefix="bench-large-",
                                                               dir=os.environ.get("BENCH_SCALE_DISK", "/tmp"))
         env = dict(os.environ, PYTHONWARNINGS="ignore")
-        r = subprocess.run([sys.executable, "-c", _LARGE, mode, str(size), where, "1" if downcast else "0"],
+        r = subprocess.run([sys.executable, LARGE_SCRIPT, mode, str(size), where],
                            env=env, capture_output=True, text=True, timeout=1800)
         if r.returncode == 0:
             row = json.loads(r.stdout.strip().splitlines()[-1])
         else:
-            row = {"mode": mode, "downcast": downcast, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+            row = {"mode": mode, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
         row["size_mb"] = size_mb
         out.append(row)
-        print(f"  large {size_mb} MiB {mode}{' downcast' if downcast else ''}: {row}", flush=True)
+        print(f"  large {size_mb} MiB {mode}: {row}", flush=True)
         if mode != "shm":
             shutil.rmtree(where, ignore_errors=True)
     return out
@@ -431,7 +388,7 @@ def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> s
     lrows = ["", "| large item | write: peak RSS / size | read: peak RSS / size | write s | read s |",
              "|---|---:|---:|---:|---:|"]
     for r in large:
-        name = f"{r['size_mb']} MiB {r['mode']}{' downcast' if r.get('downcast') else ''}"
+        name = f"{r['size_mb']} MiB {r['mode']}"
         if "error" in r:
             lrows.append(f"| {name} | fails: {r['error'][:80]} | | | |")
         else:

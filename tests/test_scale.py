@@ -300,68 +300,24 @@ def test_disk_overhead_per_16k_entry(disk_dirs, name):
 # ------------------------------------------------------------------------------------------- a large item
 LARGE = 256 << 20
 
-_LARGE_SCRIPT = r"""
-import gc, json, os, sys, tempfile, warnings, zlib
-import torch
-from monai_cache.disk import DiskStore
-from monai_cache.shm import SharedMemoryStore
-
-def rss():
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            if k in ("VmHWM", "VmRSS"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-mode, size, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-torch.set_num_threads(1)
-gc.collect(); base = rss()["VmRSS"]
-g = torch.Generator().manual_seed(0)
-if mode == "zstd-downcast":  # integral float32 (CT-like): the lossless check passes and the int16 copy is made
-    item = {"image": torch.randint(-1000, 3000, (size // 4,), generator=g, dtype=torch.int32).float()}
-else:
-    item = {"image": torch.rand(size // 4, generator=g)}  # float32, not integral
-crc = zlib.crc32(item["image"].numpy())
-gc.collect(); reset_peak()  # the peak from here on: the item, and what storing it adds
-if mode == "shm":
-    store = SharedMemoryStore("large", 1, shm_dir=where)
-    store[0] = item
-else:
-    store = DiskStore(where, compression=None if mode == "raw" else "zstd", downcast=mode == "zstd-downcast",
-                      max_pending_bytes=size // 2)
-    store.put("large", item)
-    assert store.flush(600)
-write_peak = rss()["VmHWM"] - base
-del item; gc.collect(); reset_peak(); base = rss()["VmRSS"]
-got = store[0] if mode == "shm" else store.get("large")
-same = zlib.crc32(got["image"].numpy()) == crc
-read_peak = rss()["VmHWM"] - base
-print(json.dumps({"write": write_peak / size, "read": read_peak / size, "same": same}))
-"""
+LARGE_SCRIPT = os.path.join(ROOT, "benchmarks", "large_item.py")  # shared with bench_scale.py
 
 
 @pytest.mark.parametrize("mode", ["shm", "raw", "zstd", "zstd-downcast"])
 def test_large_item_peak_memory(mode, shm_dir, tmp_path):
     where = shm_dir if mode == "shm" else str(tmp_path)
     out = subprocess.run(
-        [sys.executable, "-c", _LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300,
-        env=ENV,
+        [sys.executable, LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert out.returncode == 0, out.stderr
     import json
 
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"\n{mode}: peak RSS growth while writing {r['write']:.2f}x, reading {r['read']:.2f}x the item size")
-    assert r["same"]
+    print(f"\n{mode}: peak RSS growth while writing {r['write_x']:.2f}x, reading {r['read_x']:.2f}x the item size")
+    assert r["mode"] == mode and r["same"]
     # the item itself (1x) plus at most one extra copy, with a little slack for the interpreter
-    assert r["write"] <= 2.1
-    assert r["read"] <= 2.1
+    assert r["write_x"] <= 2.1
+    assert r["read_x"] <= 2.1
 
 
 def test_large_zstd_entry_damaged_is_rejected(tmp_path, monkeypatch):
