@@ -775,8 +775,8 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
     if total != buf.nbytes:
         raise CorruptEntryError(f"entry claims {total} bytes but has {buf.nbytes}")
     raw_header = buf[PREFIX_SIZE : PREFIX_SIZE + hlen]
-    crc = _PREFIX.unpack_from(buf, 0)[5]
-    if zlib.crc32(raw_header) != crc:
+    _magic, _version, flags, _hlen, _total, header_crc, data_crc = _PREFIX.unpack_from(buf, 0)
+    if zlib.crc32(raw_header) != header_crc:
         raise CorruptEntryError("header checksum mismatch")
     try:
         text = str(raw_header, "utf-8")
@@ -803,11 +803,11 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
         if off < end:
             raise CorruptEntryError("overlapping buffers")
         end = off + n
-    if verify and not _PREFIX.unpack_from(buf, 0)[2] & FLAG_NO_DATA_CRC:
+    if verify and not flags & FLAG_NO_DATA_CRC:
         crc = 0
         for off, n in spans:
             crc = zlib.crc32(data[off : off + n], crc)
-        if crc != _PREFIX.unpack_from(buf, 0)[6]:
+        if crc != data_crc:
             raise CorruptEntryError("data checksum mismatch")
     try:
         return _Decoder(data, spans, allow_pickle).node(header["root"], 0)
