@@ -312,10 +312,12 @@ class CacheDataset(_MonaiCacheDataset):
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Cache counters: ``{"process": {...}, "machine": {...}}``.
 
-        ``process`` holds this process's hits, misses (entries it computed), bytes read and written; in a
-        DataLoader worker these are the worker's own. ``machine`` is shared by every process using the
-        same shared-memory cache: bytes and entries held, hits, misses. With a private cache,
-        ``machine`` equals ``process``.
+        ``process`` holds this process's ``hits``, ``misses`` (entries it computed), ``bytes_read``,
+        ``bytes_written``, ``skipped`` (items not stored: no room left, or a value the codec cannot store)
+        and ``corrupt`` (damaged entries removed); in a DataLoader worker these are the worker's own.
+        ``machine`` is shared by every process using the same shared-memory cache: ``bytes`` and
+        ``entries`` held, ``hits``, ``misses``, ``skipped``, ``corrupt``. With a private cache
+        (``shared_memory=False``), both hold this process's ``hits``, ``misses`` and ``entries``.
         """
         if isinstance(self._cache, SharedMemoryStore):
             return self._cache.stats()

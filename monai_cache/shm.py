@@ -79,6 +79,7 @@ _STAT_OFFSET = {name: 8 + 8 * i for i, name in enumerate(_STAT_FIELDS)}
 _STATS_MAGIC = 0x4D43535432  # "MCST2": the layout of this version (32-byte index slots)
 _STATS_SIZE = 4096
 _FLAG_WARNED_FULL = 1
+_FLAG_WARNED_UNSUPPORTED = 2
 _U64 = struct.Struct("<Q")
 # Hits are counted on every read, so each process counts them in a u64 slot of its own after the shared
 # counters, without the cross-process lock; the machine-wide count is the shared "hits" plus every slot. A
@@ -641,6 +642,7 @@ class SharedMemoryStore:
         "_reserve",
         "_shm_dir",
         "_tmp_counter",
+        "_unsupported",
         "_verify",
         "key",
     )
@@ -676,6 +678,7 @@ class SharedMemoryStore:
         self._pid = os.getpid()
         self._proc_stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "skipped": 0, "corrupt": 0}
         self._reported: set[int] = set()
+        self._unsupported: set[int] = set()  # entries whose item the codec cannot store: computed on each read
         self._tmp_counter = itertools.count()
         self._released = False
 
@@ -849,6 +852,24 @@ class SharedMemoryStore:
         self._proc_stats["bytes_written"] += size
         return True
 
+    def _write_computed(self, i: int, item: Any) -> bool:
+        """:meth:`_write` for an item a dataset computed: one that the codec cannot store is not an error.
+
+        As in the disk store, the item is served uncached from then on (this process does not try to store
+        it again) and one warning per cache names it, its key path and what to do.
+        """
+        from monai_cache import codec
+
+        try:
+            return self._write(i, item)
+        except codec.UnsupportedValueError as e:
+            self._unsupported.add(i)
+            self._proc_stats["skipped"] += 1
+            self._dir.stats.add(skipped=1)
+            if self._dir.stats.set_flag(_FLAG_WARNED_UNSUPPORTED):
+                warn(f"{self._name(i)} is not cached, it is computed on every read: {e}", stacklevel=5)
+            return False
+
     def _write_standalone(self, i: int, enc: codec.Encoded) -> None:
         tmp = f"{self._dir.path}/{_TMP_PREFIX}{os.getpid()}.{threading.get_ident()}.{next(self._tmp_counter)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -910,6 +931,9 @@ class SharedMemoryStore:
             the item: decoded from shared memory when it could be published, else the computed object.
         """
         i = self._check_index(index)
+        if i in self._unsupported:
+            self._proc_stats["misses"] += 1
+            return compute()
         item = self._read(i)
         if item is not _MISSING:
             return item
@@ -923,7 +947,7 @@ class SharedMemoryStore:
             self._proc_stats["misses"] += 1
             self._dir.stats.add(misses=1)
             value = compute()
-            if not self._write(i, value):
+            if not self._write_computed(i, value):
                 return value
         finally:
             lock.release()
@@ -933,7 +957,7 @@ class SharedMemoryStore:
     def fill(self, index: int, compute: Callable[[], Any]) -> bool:
         """Make sure entry ``index`` exists without decoding it; False if another process is on it now."""
         i = self._check_index(index)
-        if self.contains(i):
+        if i in self._unsupported or self.contains(i):
             return True
         lock = OFDLock(self._dir.locks_path, i)
         if not lock.acquire(blocking=False):
@@ -942,7 +966,7 @@ class SharedMemoryStore:
             if not self.contains(i):
                 self._proc_stats["misses"] += 1
                 self._dir.stats.add(misses=1)
-                self._write(i, compute())
+                self._write_computed(i, compute())
         finally:
             lock.release()
         return True
@@ -957,7 +981,7 @@ class SharedMemoryStore:
         """Counters: ``{"process": {...}, "machine": {...}}``.
 
         ``process`` counts this process's hits, misses (entries it computed), bytes read and written, items
-        skipped for lack of space and corrupt entries removed. ``machine`` is shared by every process using
+        skipped (not stored: no space, or a value the codec cannot store) and corrupt entries removed. ``machine`` is shared by every process using
         this cache: bytes and entries held, hits, misses, skipped, corrupt.
         """
         shared = self._dir.stats.snapshot()

@@ -180,6 +180,76 @@ def test_budget_full_degrades_with_one_warning(shm_dir, volumes):
     assert ds.cache_stats()["machine"]["bytes"] <= 100_000
 
 
+class Opaque:
+    """A value the codec cannot store without pickle (MONAI's in-process list caches it as it is)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is Opaque and other.value == self.value
+
+
+@pytest.mark.parametrize("runtime_cache", [False, True])
+def test_item_the_codec_cannot_store_is_served_uncached_with_one_warning(shm_dir, volumes, tmp_path, runtime_cache):
+    """As in PersistentDataset: not an error; that item is computed on every read, one warning names it."""
+    log = str(tmp_path / "calls")
+    data = [dict(v, extra=Opaque(i)) if i in (1, 3) else dict(v) for i, v in enumerate(volumes)]
+    tr = chain(log)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = monai_cache.CacheDataset(data, tr, progress=False, runtime_cache=runtime_cache)
+        got = [outputs(ours, 100 + epoch) for epoch in range(2)]
+    msgs = [str(w.message) for w in caught if "is not cached" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert "data item 1 " in msgs[0] and "item['extra']" in msgs[0] and "allow_pickle=True" in msgs[0], msgs
+    calls = Counter(case for _, case in read_calls(log))
+    ref = monai.data.CacheDataset(data, tr, progress=False, runtime_cache=runtime_cache)  # same transform ids
+    for epoch in range(2):
+        for expected, item in zip(outputs(ref, 100 + epoch), got[epoch]):
+            assert_same(expected, item)
+    reads = 2 + (0 if runtime_cache else 1)  # two epochs, plus the eager fill's attempt
+    assert calls == Counter({i: reads if i in (1, 3) else 1 for i in range(len(volumes))})
+    stats = ours.cache_stats()
+    assert stats["machine"]["entries"] == len(volumes) - 2 and stats["machine"]["skipped"] == 2
+    # with allow_pickle=True the same items are cached
+    pickled = monai_cache.CacheDataset(data, chain(), progress=False, allow_pickle=True)
+    assert pickled.cache_stats()["machine"]["entries"] == len(volumes)
+    assert pickled[1]["extra"] == Opaque(1)
+
+
+UNSTORABLE_IN_WORKERS = """
+import sys
+sys.path.insert(0, {tests!r})
+import monai_cache
+from helpers import chain
+from monai.data import DataLoader
+from test_cache_dataset import Opaque
+
+data = [dict(v, extra=Opaque(i)) for i, v in enumerate({data!r})]
+ds = monai_cache.CacheDataset(data, chain(), progress=False, runtime_cache=True)
+loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork", collate_fn=list)
+for _ in range(2):
+    assert [item["extra"] for batch in loader for item in batch] == [Opaque(i) for i in range(len(data))]
+print(ds.cache_stats()["machine"]["entries"], ds.cache_stats()["machine"]["skipped"])
+"""
+
+
+def test_item_the_codec_cannot_store_warns_once_across_dataloader_workers(shm_dir, volumes):
+    """Real worker processes, whose warnings go to their own stderr: one warning for the whole run."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = UNSTORABLE_IN_WORKERS.format(tests=tests, data=volumes)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("is not cached") == 1, r.stderr
+    entries, skipped = (int(x) for x in r.stdout.split())
+    # a worker tries to store an item once and then stops trying; workers are new in each of the two epochs
+    assert entries == 0 and skipped == 2 * len(volumes)
+
+
 def test_private_cache_option_gives_monai_behaviour(shm_dir, volumes):
     ds = monai_cache.CacheDataset(volumes[:2], chain(crop=None), shared_memory=False, progress=False)
     assert isinstance(ds._cache, list) and os.listdir(shm_dir) == []
