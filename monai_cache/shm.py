@@ -981,8 +981,9 @@ class SharedMemoryStore:
         """Counters: ``{"process": {...}, "machine": {...}}``.
 
         ``process`` counts this process's hits, misses (entries it computed), bytes read and written, items
-        skipped (not stored: no space, or a value the codec cannot store) and corrupt entries removed. ``machine`` is shared by every process using
-        this cache: bytes and entries held, hits, misses, skipped, corrupt.
+        skipped (not stored: no space, or a value the codec cannot store) and corrupt entries removed.
+        ``machine`` is shared by every process using this cache: bytes and entries held, hits, misses,
+        skipped, corrupt.
         """
         shared = self._dir.stats.snapshot()
         machine = {k: shared[k] for k in ("bytes", "entries", "hits", "misses", "skipped", "corrupt")}
