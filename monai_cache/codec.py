@@ -103,6 +103,11 @@ _TORCH_DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
 STORABLE_DTYPES = frozenset(_TORCH_DTYPES.values())  # tensor dtypes an entry can hold
 # numpy kinds we store raw: booleans, integers, floats, complex (no objects, strings or structured types).
 _NUMPY_KINDS = frozenset("biufc")
+# numpy dtypes torch can view (float128 / longdouble cannot): the lossless downcast works on torch tensors
+_NUMPY_DOWNCASTABLE = frozenset(
+    np.dtype(name).newbyteorder("<")
+    for name in ("int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32", "float64")
+)
 
 
 class CorruptEntryError(ValueError):
@@ -292,11 +297,17 @@ def _lossless_downcast(t: torch.Tensor) -> torch.Tensor | None:
         return None
     flat = t.reshape(-1)  # a view of a contiguous tensor
     sample = flat[::_PROBE_STRIDE].contiguous() if flat.numel() > _CHECK_CHUNK else None
+    lo = hi = 0
+    if not t.dtype.is_floating_point:
+        if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no torch CPU min/max kernels for these
+            values = flat.numpy()
+            lo, hi = int(values.min()), int(values.max())
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(flat))
     for cand in (torch.uint8, torch.int8, torch.int16, torch.int32):
         if cand.itemsize >= t.dtype.itemsize:
             break
         if not t.dtype.is_floating_point:
-            lo, hi = (int(v) for v in torch.aminmax(flat))
             info = torch.iinfo(cand)
             if info.min <= lo and hi <= info.max:
                 return t.to(cand)
@@ -345,6 +356,11 @@ class _Encoder:
         node: dict[str, Any] = {"~": "M" if is_meta else "T"}
         data = t.as_tensor() if is_meta else t  # type: ignore[attr-defined]
         data = data.detach()
+        if data.layout != torch.strided or data.is_nested or data.device.type == "meta":
+            what = "a nested" if data.is_nested else ("a meta-device" if data.device.type == "meta" else "a sparse")
+            return self._fallback(t, path, f"{what} tensor ({data.layout}) has no dense bytes to store")
+        if data.is_conj() or data.is_neg():  # lazy views: store the values they stand for
+            data = data.resolve_conj().resolve_neg()
         own_storage = data.untyped_storage().data_ptr()
         if data.dtype not in _TORCH_DTYPE_NAMES:
             raise UnsupportedValueError(f"cannot cache {path}: torch dtype {data.dtype} is not supported")
@@ -388,16 +404,16 @@ class _Encoder:
             data = a
         else:
             data = np.ascontiguousarray(a)
-        if data.dtype.byteorder == ">":
-            node["dt"] = data.dtype.newbyteorder("<").str
+        if data.dtype.byteorder == ">":  # stored little-endian; decode casts back to the original byte order
             data = data.astype(data.dtype.newbyteorder("<"))
+            node["sd"] = data.dtype.str
         if top_key is not None and top_key in self.lossy:
             lossy = self.lossy[top_key]
             sd = np.dtype(str(lossy).replace("torch.", "")) if lossy != torch.bfloat16 else None
             if sd is not None and sd != data.dtype:
                 node["sd"] = sd.str
                 data = data.astype(sd, order="K")
-        elif self.downcast and data.dtype.kind in "iuf" and data.nbytes >= DOWNCAST_MIN_BYTES:
+        elif self.downcast and data.dtype in _NUMPY_DOWNCASTABLE and data.nbytes >= DOWNCAST_MIN_BYTES:
             # checked in storage order (a view of the C- or Fortran-ordered data); numpy has no bfloat16
             cast = _lossless_downcast(torch.from_numpy(data.reshape(-1, order="A")))
             if cast is not None and cast.dtype != torch.bfloat16:
@@ -445,6 +461,12 @@ class _Encoder:
             return {"~": "f", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if isinstance(value, enum.Enum):
             cls = type(value)
+            if "<locals>" in cls.__qualname__:  # decode finds enum classes by module and name only
+                raise UnsupportedValueError(
+                    f"cannot cache {path}: enum {cls.__module__}.{cls.__qualname__} is defined inside a "
+                    "function, so a reader could not find its class. Define it at module level, or convert "
+                    "the value (e.g. to value.value) in a transform before the first random one."
+                )
             return {"~": "e", "c": f"{cls.__module__}:{cls.__qualname__}", "v": self.node(value.value, path, depth + 1)}
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path, top_key, depth)
@@ -510,6 +532,11 @@ def encode(
         separators=(",", ":"),
         allow_nan=False,
     ).encode()
+    if len(header) > MAX_HEADER:
+        raise UnsupportedValueError(
+            f"cannot cache this item: its header (metadata and structure) takes {len(header)} bytes, more than "
+            f"the {MAX_HEADER} a reader accepts. Store large values as tensors or arrays, not as Python lists."
+        )
     data_offset = _align(PREFIX_SIZE + len(header))
     total = data_offset + (enc.size if enc.buffers else 0)
     out = Encoded(header, enc.buffers, enc.offsets, data_offset, total, enc.borrowed)
