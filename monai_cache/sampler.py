@@ -9,6 +9,7 @@ run and only reorders it from epoch to epoch, so from the second epoch on every 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sized
@@ -27,7 +28,8 @@ _LAYOUT_KEYS = ("num_replicas", "dataset_len", "shard_by", "local_world_size", "
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, Python's or numpy's (as torch's DistributedSampler accepts), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _mix_seed(*values: int) -> int:
@@ -208,6 +210,7 @@ class ShardedDistributedSampler(DistributedSampler):
                 f"[0, {num_replicas - 1}]. Pass this process's rank, or leave rank=None to read it from "
                 "torch.distributed."
             )
+        num_replicas, rank = int(num_replicas), int(rank)
         if n == 0:
             raise ValueError(
                 "dataset is empty (len(dataset) == 0), so there is nothing to shard; check the data list "
@@ -276,6 +279,7 @@ class ShardedDistributedSampler(DistributedSampler):
                 raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
         if not _is_int(local_world_size) or local_world_size < 1:
             raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}.")
+        local_world_size = int(local_world_size)
         if num_replicas % local_world_size != 0:
             raise ValueError(
                 f"local_world_size={local_world_size} does not divide num_replicas={num_replicas}: "
@@ -387,8 +391,7 @@ class ShardedDistributedSampler(DistributedSampler):
                 f"start_index must be an int in [0, {self.num_samples}] (this rank's epoch length), "
                 f"got {start_index!r}."
             )
-        self._start_index = start_index
-        self._consumed = start_index
+        self._start_index = self._consumed = int(start_index)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Return the state needed to resume mid-epoch: epoch, seed and indices consumed, plus the layout.
@@ -406,6 +409,7 @@ class ShardedDistributedSampler(DistributedSampler):
             consumed = self._consumed
         elif not _is_int(consumed) or not 0 <= consumed <= self.num_samples:
             raise ValueError(f"consumed must be an int in [0, {self.num_samples}], got {consumed!r}.")
+        consumed = int(consumed)
         return {
             "epoch": self.epoch,
             "seed": self.seed,
@@ -438,6 +442,7 @@ class ShardedDistributedSampler(DistributedSampler):
         for key, value in (("epoch", epoch), ("seed", seed), ("consumed", consumed)):
             if not _is_int(value):
                 raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}.")
+        epoch, seed, consumed = int(epoch), int(seed), int(consumed)
         if consumed < 0:
             raise ValueError(f"state_dict['consumed'] must be >= 0, got {consumed}.")
         if consumed:

@@ -429,6 +429,20 @@ def test_errors_say_what_was_given():
         ShardedDistributedSampler(range(10), 2, 0, True, 0, False, True)  # type: ignore[misc]  # keyword only
 
 
+def test_numpy_integers_are_accepted_as_torch_accepts_them():
+    import numpy as np
+
+    ours = ShardedDistributedSampler(range(10), np.int64(2), np.int64(1), shard_by="node", local_world_size=np.int32(2))
+    assert list(ours) == list(ShardedDistributedSampler(range(10), 2, 1, shard_by="node", local_world_size=2))
+    assert list(DistributedSampler(range(10), np.int64(2), np.int64(1)))  # torch's own accepts them too
+    state = ours.state_dict(consumed=np.int64(2))
+    assert type(state["consumed"]) is int and type(state["num_replicas"]) is int
+    ours.load_state_dict({**state, "epoch": np.int64(0)})
+    assert type(ours.epoch) is int
+    with pytest.raises(ValueError, match="num_replicas"):
+        ShardedDistributedSampler(range(10), True, 0)  # a bool is not a world size
+
+
 def test_without_process_group_raises_like_torch():
     assert not torch.distributed.is_initialized()
     with pytest.raises(Exception) as theirs:
