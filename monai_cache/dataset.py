@@ -276,7 +276,9 @@ class CacheDataset(_MonaiCacheDataset):
         if self.hash_as_key:
             return self._hash_index.get(self.hash_func(self.data[index]))
         n = len(self)
-        if index % n < self.cache_num:  # support negative index, as MONAI does
+        if not -n <= index < n:  # as MONAI's list does: iteration (``for item in ds``) relies on it
+            raise IndexError(f"index {index} is out of range for a dataset of {n} items")
+        if index % n < self.cache_num:  # a negative index counts from the end of the data, as in MONAI
             return index % n
         return None
 

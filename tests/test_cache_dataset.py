@@ -67,6 +67,20 @@ def test_compatible_cache_attributes(shm_dir, volumes):
     assert h_ours._hash_keys == h_ref._hash_keys and h_ours.cache_num == 8
 
 
+@pytest.mark.parametrize("kw", [{}, {"runtime_cache": True}, {"cache_num": 3}, {"shared_memory": False}])
+def test_out_of_range_index_raises_so_iteration_ends(shm_dir, kw):
+    data = [{"x": i} for i in range(4)]
+    ref = monai.data.CacheDataset(data, progress=False, **{k: v for k, v in kw.items() if k != "shared_memory"})
+    ours = monai_cache.CacheDataset(data, progress=False, **kw)
+    assert list(ours) == list(ref) == data  # Python's iteration protocol stops at the IndexError
+    for index in (4, -5, 100):
+        with pytest.raises(IndexError):
+            ref[index]
+        with pytest.raises(IndexError, match=f"index {index} is out of range for a dataset of 4 items"):
+            ours[index]
+    assert ours[-1] == ref[-1] == {"x": 3}
+
+
 def test_hash_as_key_with_runtime_cache_returns_the_right_item(shm_dir):
     """MONAI bug: the lazy path loads data[cache_position] instead of the item for that hash."""
     data = [{"x": 0}, {"x": 1}, {"x": 1}, {"x": 2}]
