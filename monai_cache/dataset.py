@@ -20,7 +20,7 @@ from monai.data.meta_obj import get_track_meta
 from monai.data.utils import pickle_hashing
 
 from monai_cache import __version__, codec
-from monai_cache.fingerprint import cacheable_transforms, fingerprint, first_random_index, transforms_fingerprint
+from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -67,8 +67,9 @@ class CacheDataset(_MonaiCacheDataset):
     * a list-like object passed as ``runtime_cache``: used as the cache, with MONAI's meaning (private to
       whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
 
-    Processes find the same cache by a fingerprint of the data, the deterministic transforms and the
-    options; the cache is removed when the last process using it exits (or this dataset is garbage
+    Processes find the same cache by a fingerprint of the data, the deterministic transforms (your own
+    functions and classes by value: code, constants, closures and the globals they read) and the options;
+    the cache is removed when the last process using it exits (or this dataset is garbage
     collected, or :meth:`set_data` replaces the data), and reclaimed if its users crashed.
 
     Differences from MONAI, all fixes:
@@ -79,6 +80,12 @@ class CacheDataset(_MonaiCacheDataset):
       per-worker list is thrown away with each worker).
     * A random transform that writes into its input never changes the cached copy, whether ``copy_cache``
       is True or False (reads are copy-on-write mappings, so ``copy_cache=True`` needs no deep copy).
+      Likewise an item returned without random transforms is a private copy: changing it does not change
+      the cache (MONAI hands out the cached object itself).
+    * A negative index with a partial cache (``cache_num < len(data)``) returns ``data[index]``'s item (MONAI
+      takes the cache entry counted from the end of the *cache*).
+    * An item holding a value the codec cannot store (without ``allow_pickle``) is served uncached, with one
+      warning (MONAI's in-process list holds any object).
 
     Args:
         data: input data to load and transform to generate dataset for model.
@@ -138,6 +145,9 @@ class CacheDataset(_MonaiCacheDataset):
         allow_pickle: bool = False,
         cache_key: str | None = None,
     ) -> None:
+        # Attributes a subclass set before calling this __init__ may change what _load_cache_item computes:
+        # they are part of the cache's fingerprint.
+        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
         # Set before MONAI's __init__, which calls set_data(). None of these is randomizable, so MONAI's
         # worker seeding (set_rnd walks __dict__ in order) gives the transforms the same seeds as in MONAI.
         self.shared_memory = shared_memory
@@ -189,14 +199,16 @@ class CacheDataset(_MonaiCacheDataset):
         if self.cache_key is not None:
             return "key-" + fingerprint(self.cache_key)[:40]
         return "cd-" + fingerprint(
-            type(self).__qualname__,
+            type(self),  # a subclass by value: its methods' code
+            {name: getattr(self, name, None) for name in self._subclass_attributes},
             __version__,
             codec.FORMAT_VERSION,
-            fingerprint(list(self.data)),
-            transforms_fingerprint(cacheable_transforms(self.transform)),
+            library_versions(),
+            fingerprint(self.data),
+            chain_fingerprint(self.transform),
             self.cache_num,
             self.hash_as_key,
-            getattr(self.hash_func, "__qualname__", repr(self.hash_func)) if self.hash_as_key else None,
+            self.hash_func if self.hash_as_key else None,
             self.as_contiguous,
             self.allow_pickle,
             get_track_meta(),

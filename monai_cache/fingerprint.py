@@ -3,6 +3,13 @@
 Two processes that build the same dataset (same data, same deterministic transforms, same options) compute
 the same fingerprint without talking to each other; any difference gives another fingerprint, so train
 and validation sets, or a changed ``Spacingd``, never collide.
+
+Transforms are fingerprinted by their pickled settings. Code that is not part of a library (functions,
+lambdas and classes of the user's own modules, ``__main__`` included) is taken by value: its bytecode and
+constants, default arguments, closure variables and the module globals it reads, so that a lambda over
+another constant, a closure over another value, a global changed between two jobs, or an edited function
+body gives another fingerprint. Library code (MONAI, torch, numpy, the standard library, ...) is taken by
+name, and the versions of MONAI and torch are part of every fingerprint (:func:`library_versions`).
 """
 
 from __future__ import annotations
@@ -11,12 +18,21 @@ import hashlib
 import io
 import pickle
 import re
+import sys
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from monai.transforms import Compose, RandomizableTrait, Transform
 
-__all__ = ["cacheable_transforms", "first_random_index", "fingerprint", "transforms_fingerprint"]
+__all__ = [
+    "cacheable_transforms",
+    "chain_fingerprint",
+    "first_random_index",
+    "fingerprint",
+    "library_versions",
+    "transforms_fingerprint",
+]
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -37,6 +53,77 @@ def cacheable_transforms(transform: Compose) -> list[Callable]:
     return list(transform.transforms[:end] if end is not None else transform.transforms)
 
 
+# Top-level packages whose functions and classes are fingerprinted by name (their versions stand for their
+# code); anything else is taken by value.
+_BY_NAME = frozenset(
+    {"monai", "monai_cache", "torch", "numpy", "scipy", "nibabel", "itk", "SimpleITK", "skimage", "cupy", "einops"}
+    | set(sys.stdlib_module_names)
+)
+# Class attributes that are caches or interpreter bookkeeping, not behaviour.
+_CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "_abc_impl"})
+
+
+def _by_name(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] in _BY_NAME
+
+
+def _code_state(code: types.CodeType) -> tuple:
+    """What a code object does, without where it sits (line numbers) or what its locals are called."""
+    consts = []
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            consts.append(_code_state(c))
+        elif isinstance(c, frozenset):  # iteration order depends on the hash seed, which differs per process
+            consts.append(("frozenset", sorted(repr(v) for v in c)))
+        else:
+            consts.append(c)
+    return code.co_code, tuple(consts), code.co_names
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _function_parts(fn: types.FunctionType) -> tuple:
+    """A user function by value: code, defaults, closure values and the module globals its code reads."""
+    closure = []
+    for cell in fn.__closure__ or ():
+        try:
+            closure.append(cell.cell_contents)
+        except ValueError:  # an empty cell (a variable assigned later)
+            closure.append("<empty cell>")
+    reads = {}
+    for name in sorted(_global_names(fn.__code__)):
+        if name in fn.__globals__:
+            value = fn.__globals__[name]
+            reads[name] = ("module", value.__name__) if isinstance(value, types.ModuleType) else value
+    return (fn.__module__, fn.__qualname__, _code_state(fn.__code__), fn.__defaults__, fn.__kwdefaults__,
+            tuple(closure), reads)
+
+
+def _class_parts(cls: type) -> tuple:
+    """A user class by value: its bases and what its body defines (methods by value, class attributes)."""
+    body = []
+    for name, value in sorted(vars(cls).items()):
+        if name in _CLASS_SKIP:
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            value = (type(value).__name__, value.__func__)
+        elif isinstance(value, property):
+            value = ("property", value.fget, value.fset, value.fdel)
+        body.append((name, value))
+    return cls.__module__, cls.__qualname__, cls.__bases__, tuple(body)
+
+
+def _user_code(kind: str, *parts: Any) -> None:  # pragma: no cover - named in pickles that are never loaded
+    """Stands for a function or class taken by value in a fingerprint pickle."""
+
+
 def _describe(obj: Any, depth: int = 0) -> str:
     """A process-independent description of an object that cannot be pickled (e.g. holds a lambda)."""
     if depth > 6:
@@ -45,12 +132,23 @@ def _describe(obj: Any, depth: int = 0) -> str:
         return "[" + ",".join(_describe(o, depth + 1) for o in obj) + "]"
     if isinstance(obj, dict):
         return "{" + ",".join(f"{k!r}:{_describe(v, depth + 1)}" for k, v in obj.items()) + "}"
-    if callable(obj) and hasattr(obj, "__code__"):  # functions and lambdas: their code, not their address
-        code = obj.__code__
-        return f"<fn {getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')} {code.co_code.hex()}>"
+    if isinstance(obj, types.FunctionType):  # functions and lambdas: what they do, not their address
+        if _by_name(obj):
+            return f"<fn {obj.__module__}.{obj.__qualname__}>"
+        return f"<fn {_describe(_function_parts(obj), depth + 1)}>"
+    if isinstance(obj, type):
+        if _by_name(obj):
+            return f"<class {obj.__module__}.{obj.__qualname__}>"
+        return f"<class {_describe(_class_parts(obj), depth + 1)}>"
+    if isinstance(obj, types.CodeType):
+        return repr(_code_state(obj))
+    if isinstance(obj, types.ModuleType):
+        return f"<module {obj.__name__}>"
+    if isinstance(obj, (set, frozenset)):
+        return "{" + ",".join(sorted(_describe(o, depth + 1) for o in obj)) + "}"
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
         inner = ",".join(f"{k}={_describe(v, depth + 1)}" for k, v in sorted(vars(obj).items()))
-        return f"{type(obj).__module__}.{type(obj).__qualname__}({inner})"
+        return f"{_describe(type(obj), depth + 1)}({inner})"
     return _ADDRESS.sub("", repr(obj))
 
 
@@ -60,9 +158,31 @@ _VOLATILE_ATTRIBUTES = {"ImageReader": frozenset({"filenames"})}
 
 
 class _SettingsPickler(pickle.Pickler):
-    """Pickles objects for hashing only, leaving out per-call state."""
+    """Pickles objects for hashing only: user code by value, per-call state left out."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=4)
+        self._in_progress: set[int] = set()  # user code being described (recursion, e.g. super()'s __class__)
+
+    def persistent_id(self, obj: Any) -> Any:
+        # Sets pickle in hash order, which differs between processes (PYTHONHASHSEED): sort their members'
+        # pickles. (Called for every object; reducer_override is not called for plain sets.)
+        if type(obj) in (set, frozenset):
+            return type(obj).__name__, sorted(_dumps_nested(self, member) for member in obj)
+        return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (types.FunctionType, type)) and not _by_name(obj):
+            if id(obj) in self._in_progress:
+                return _user_code, ("ref", obj.__module__, obj.__qualname__)
+            self._in_progress.add(id(obj))
+            try:  # pickle the parts now, while the recursion guard holds
+                if isinstance(obj, type):
+                    raw = _dumps_nested(self, _class_parts(obj))
+                    return _user_code, ("class", raw)
+                return _user_code, ("function", _dumps_nested(self, _function_parts(obj)))
+            finally:
+                self._in_progress.discard(id(obj))
         for base in type(obj).__mro__:
             skip = _VOLATILE_ATTRIBUTES.get(base.__name__)
             if skip is not None and hasattr(obj, "__dict__"):
@@ -73,7 +193,16 @@ class _SettingsPickler(pickle.Pickler):
 
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
-    _SettingsPickler(buf, protocol=4).dump(obj)
+    _SettingsPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def _dumps_nested(outer: _SettingsPickler, obj: Any) -> bytes:
+    """Pickle ``obj`` with a pickler that shares ``outer``'s recursion guard."""
+    buf = io.BytesIO()
+    inner = _SettingsPickler(buf)
+    inner._in_progress = outer._in_progress
+    inner.dump(obj)
     return buf.getvalue()
 
 
@@ -92,6 +221,24 @@ def _digest_parts(parts: Iterable[Any]) -> str:
 def transforms_fingerprint(transforms: Sequence[Callable]) -> str:
     """SHA-256 of the given transforms (their classes and settings)."""
     return _digest_parts([[type(t).__module__ + "." + type(t).__qualname__ for t in transforms], *transforms])
+
+
+def chain_fingerprint(transform: Compose) -> str:
+    """SHA-256 of the part of a ``Compose`` that a cache stores: its leading deterministic transforms and the
+    ``Compose`` settings that change their output (``lazy`` fuses spatial transforms into one resampling)."""
+    settings = {
+        name: getattr(transform, name, None) for name in ("lazy", "map_items", "unpack_items", "overrides")
+    }
+    return fingerprint(transforms_fingerprint(cacheable_transforms(transform)), settings)
+
+
+def library_versions() -> tuple[str, str]:
+    """Versions of MONAI and torch: their transforms are fingerprinted by name, so a new version (which may
+    compute other values) must give new fingerprints."""
+    import monai
+    import torch
+
+    return str(monai.__version__), str(torch.__version__)
 
 
 def fingerprint(*parts: Any) -> str:

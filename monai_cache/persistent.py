@@ -31,7 +31,7 @@ from monai_cache.disk import (
     prepare_cache_dir,
     sweep_temp_files,
 )
-from monai_cache.fingerprint import cacheable_transforms, fingerprint, transforms_fingerprint
+from monai_cache.fingerprint import chain_fingerprint, fingerprint, library_versions
 
 __all__ = ["DEFAULT_COMPRESSION_LEVEL", "PersistentDataset"]
 
@@ -263,10 +263,11 @@ class PersistentDataset(_MonaiPersistentDataset):
         state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
         if state.get("transform") is not self.transform or state.get("sig") != sig:
             if state.get("transform") is not self.transform or "xform" not in state:
-                state["xform"] = transforms_fingerprint(cacheable_transforms(self.transform))
+                state["xform"] = chain_fingerprint(self.transform)
             xform = None if explicit else state["xform"]
             state["key"] = fingerprint(
-                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, xform, *sig
+                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, library_versions(), xform,
+                *sig,
             )[:16]
             state["transform"] = self.transform
             state["sig"] = sig

@@ -275,6 +275,22 @@ def test_changed_transform_never_serves_old_entries(nifti, tmp_path):
     assert isinstance(t[0]["image"], MetaTensor) and t.cache_stats()["process"]["hits"] == 0
 
 
+def test_a_changed_lambda_or_captured_value_never_serves_old_entries(nifti, tmp_path):
+    """User code is fingerprinted by value: a lambda over another constant or closure value is another chain."""
+    from monai.transforms import Lambdad
+
+    def scaled_by(factor):
+        return lambda x: x * factor
+
+    outs = []
+    for func in (lambda x: x * 2, lambda x: x * 3, scaled_by(5)):
+        transform = Compose([*chain(crop=False).transforms, Lambdad("image", func)])
+        ds = PersistentDataset(nifti[:1], transform, tmp_path, async_writes=False)
+        outs.append((ds[0]["image"], ds.cache_stats()["process"]["hits"]))
+    assert [hits for _, hits in outs] == [0, 0, 0]
+    assert torch.equal(outs[0][0] * 3, outs[1][0] * 2) and torch.equal(outs[0][0] * 5, outs[2][0] * 2)
+
+
 def test_explicit_hash_transform_keeps_monais_meaning(nifti, tmp_path):
     def fixed(_transforms) -> bytes:
         return b"v1"

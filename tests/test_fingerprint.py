@@ -1,0 +1,189 @@
+"""Datasets that compute different values never share a cache, whatever makes them differ.
+
+The shared-memory cache is found by a fingerprint of the data, the cached transforms and the options, so
+that ranks and jobs computing the same items share one copy. Anything that changes the values must change
+the fingerprint: these cases once served another dataset's items.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import monai.data
+import pytest
+import torch
+from monai.transforms import Compose, Lambdad, MapTransform
+
+import monai_cache
+from monai_cache.fingerprint import fingerprint
+
+DATA = [{"x": torch.tensor(float(i))} for i in range(3)]
+
+
+def values(ds) -> list[float]:
+    return [float(ds[i]["x"]) for i in range(len(ds))]
+
+
+def both(data, transform, **kw):
+    """MONAI's values and ours for the same arguments (ours kept alive: its cache must not be reused)."""
+    ours = monai_cache.CacheDataset(data, transform, progress=False, **kw)
+    return values(monai.data.CacheDataset(data, transform, progress=False, **kw)), values(ours), ours
+
+
+def make_adder(amount):
+    return lambda x: x + amount
+
+
+SCALE = 2
+
+
+def scaled(x):
+    return x * SCALE
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (lambda: Lambdad("x", lambda v: v * 2), lambda: Lambdad("x", lambda v: v * 3)),  # a constant
+        (lambda: Lambdad("x", make_adder(100)), lambda: Lambdad("x", make_adder(1000))),  # a closure value
+    ],
+    ids=["lambda-constant", "closure"],
+)
+def test_transforms_that_differ_only_in_code_or_captured_values_get_their_own_cache(shm_dir, first, second):
+    ref_a, ours_a, keep_a = both(DATA, Compose([first()]))
+    ref_b, ours_b, keep_b = both(DATA, Compose([second()]))
+    assert ours_a == ref_a and ours_b == ref_b and ref_a != ref_b
+    assert keep_a._cache.path != keep_b._cache.path
+
+
+def test_a_module_global_read_by_a_transform_is_part_of_the_fingerprint(shm_dir):
+    """Two jobs of a sweep that differ in a global: the second must not read the first one's cache."""
+    global SCALE
+    chain = Compose([Lambdad("x", scaled)])
+    try:
+        SCALE = 2
+        ref_a, ours_a, _keep_a = both(DATA, chain)
+        SCALE = 3
+        ref_b, ours_b, _keep_b = both(DATA, chain)
+    finally:
+        SCALE = 2
+    assert (ours_a, ours_b) == (ref_a, ref_b) == ([0.0, 2.0, 4.0], [0.0, 3.0, 6.0])
+
+
+def test_an_edited_function_body_gets_a_new_fingerprint():
+    def body(x):
+        return x + 1
+
+    before = fingerprint(Compose([Lambdad("x", body)]))
+
+    def body(x):  # the same name, edited
+        return x + 2
+
+    assert fingerprint(Compose([Lambdad("x", body)])) != before
+
+
+class Doubler(MapTransform):
+    def __call__(self, data):
+        d = dict(data)
+        for k in self.key_iterator(d):
+            d[k] = d[k] * 2
+        return d
+
+
+def test_a_user_transform_class_is_taken_by_value():
+    before = fingerprint(Doubler("x"))
+
+    class Tripler(Doubler):
+        pass
+
+    body = {"__call__": lambda self, d: {k: v * 3 for k, v in d.items()}, "__module__": Doubler.__module__,
+            "__qualname__": "Doubler"}
+    edited = type("Doubler", (MapTransform,), body)
+    assert fingerprint(edited("x")) != before  # the same name, another body
+    assert fingerprint(Doubler("x")) == before and fingerprint(Tripler("x")) != before
+
+
+def test_compose_settings_that_change_the_values_are_part_of_the_fingerprint(shm_dir, volumes):
+    from helpers import chain
+
+    eager, lazy = chain(crop=None), chain(crop=None)
+    lazy.lazy = True
+    ours_eager = monai_cache.CacheDataset(volumes[:2], eager, progress=False)
+    ours_lazy = monai_cache.CacheDataset(volumes[:2], lazy, progress=False)
+    ref_lazy = monai.data.CacheDataset(volumes[:2], lazy, progress=False)
+    assert ours_eager._cache.path != ours_lazy._cache.path
+    assert torch.equal(ours_lazy[0]["image"], ref_lazy[0]["image"])
+
+
+class ScaledDataset(monai_cache.CacheDataset):
+    """A subclass whose own state changes what the cache holds."""
+
+    def __init__(self, data, scale, **kw):
+        self.scale = scale
+        super().__init__(data, **kw)
+
+    def _load_cache_item(self, idx):
+        return {"x": self.data[idx]["x"] * self.scale}
+
+
+def test_a_subclass_state_set_before_init_is_part_of_the_fingerprint(shm_dir):
+    ten = ScaledDataset(DATA, 10, progress=False)
+    hundred = ScaledDataset(DATA, 100, progress=False)
+    assert values(ten) == [0.0, 10.0, 20.0] and values(hundred) == [0.0, 100.0, 200.0]
+
+
+def test_hash_as_key_with_different_hash_functions(shm_dir):
+    """Two lambdas that group the items differently (same number of groups): each gets MONAI's items."""
+    data = [{"x": torch.tensor(float(i)), "a": i % 2, "b": i // 2} for i in range(4)]
+    by_a = lambda d: str(d["a"]).encode()  # noqa: E731
+    by_b = lambda d: str(d["b"]).encode()  # noqa: E731
+    kw = dict(transform=None, progress=False, hash_as_key=True)
+    a = monai_cache.CacheDataset(data, hash_func=by_a, **kw)
+    b = monai_cache.CacheDataset(data, hash_func=by_b, **kw)
+    for ours, func in ((a, by_a), (b, by_b)):
+        ref = monai.data.CacheDataset(data, hash_func=func, **kw)
+        assert values(ours) == values(ref)
+    assert values(a) != values(b) and a._cache.path != b._cache.path
+
+
+def test_data_that_is_not_a_list_is_fingerprinted_by_its_values(shm_dir):
+    class Items:  # a Sequence-like container: MONAI only uses len() and [i]
+        def __init__(self, offset):
+            self.offset = offset
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            if not 0 <= i < 3:
+                raise KeyError(i)  # not IndexError: walking it with list() would fail
+            return {"x": torch.tensor(float(i + self.offset))}
+
+    a = monai_cache.CacheDataset(Items(0), progress=False)
+    b = monai_cache.CacheDataset(Items(10), progress=False)
+    assert values(a) == [0.0, 1.0, 2.0] and values(b) == [10.0, 11.0, 12.0]
+
+
+FINGERPRINT_IN_A_NEW_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+from monai.transforms import Compose, Lambdad
+from monai_cache.fingerprint import chain_fingerprint
+KEYS = {{"image", "label", "mask", "weights", "extra"}}
+print(chain_fingerprint(Compose([Lambdad("x", lambda d: sorted(KEYS) and d * 2)])))
+"""
+
+
+def test_fingerprints_agree_between_processes_whatever_their_hash_seed():
+    """Ranks must find the same cache: sets (hash-ordered) and user code must not depend on the process."""
+    script = FINGERPRINT_IN_A_NEW_PROCESS.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in range(4)
+    }
+    assert len(outs) == 1 and len(outs.pop().strip()) == 64
