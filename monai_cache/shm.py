@@ -328,12 +328,18 @@ class _RootLock:
         self.path = os.path.join(root, ".lock")
 
     def __enter__(self) -> _RootLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        _enter_critical()
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            _exit_critical()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
+        _exit_critical()
 
 
 def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
@@ -560,34 +566,66 @@ def _unlink_quiet(path: str) -> None:
 # Process-wide registry: one _Directory per cache path, shared by every store of this process.
 _registry: dict[str, _Directory] = {}
 _registry_lock = threading.Lock()
+# A dataset garbage-collected while its thread holds the registry lock or the root lock (the collector runs
+# finalizers at any allocation) must not release its cache there: both locks would be taken again by the
+# same thread and never granted. Such releases wait in _deferred until the thread leaves the last of them.
+_held = threading.local()
+_deferred: list[_Directory] = []
+
+
+def _enter_critical() -> None:
+    _held.depth = getattr(_held, "depth", 0) + 1
+
+
+def _exit_critical() -> None:
+    _held.depth -= 1
+    while _held.depth == 0 and _deferred:
+        try:
+            d = _deferred.pop()
+        except IndexError:  # another thread took the last one
+            break
+        _release_directory(d)
 
 
 def _acquire_directory(root: str, key: str, keep: bool) -> _Directory:
     path = os.path.join(root, key)
-    with _registry_lock:
-        d = _registry.get(path)
-        if d is None or d.owner_pid != os.getpid():  # none yet, or inherited through fork without a lease
-            d = _Directory(root, key, keep)
-            _registry[path] = d
-        elif keep:
-            _touch_private(os.path.join(d.path, "keep"))
-        d.refs += 1
-        return d
+    _enter_critical()
+    try:
+        with _registry_lock:
+            d = _registry.get(path)
+            if d is None or d.owner_pid != os.getpid():  # none yet, or inherited through fork without a lease
+                d = _Directory(root, key, keep)
+                _registry[path] = d
+            elif keep:
+                _touch_private(os.path.join(d.path, "keep"))
+            d.refs += 1
+            return d
+    finally:
+        _exit_critical()
 
 
 def _release_directory(d: _Directory) -> None:
-    with _registry_lock:
-        d.refs -= 1
-        if d.refs > 0:
-            return
-        if _registry.get(d.path) is d:
-            del _registry[d.path]
+    if getattr(_held, "depth", 0):  # called by a finalizer inside a critical section: later
+        _deferred.append(d)
+        return
+    _enter_critical()
+    try:
+        with _registry_lock:
+            d.refs -= 1
+            if d.refs > 0:
+                return
+            if _registry.get(d.path) is d:
+                del _registry[d.path]
+    finally:
+        _exit_critical()
     d.leave()
 
 
 def _after_fork_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()
+    _held.depth = 0
+    _deferred.clear()
     for d in list(_registry.values()):
         d.after_fork_in_child()
 

@@ -452,3 +452,41 @@ def test_hits_are_counted_machine_wide_without_a_lock_per_read(shm_dir):
     assert store.stats()["machine"]["hits"] == expected
     assert list_caches()[0]["hits"] == expected  # `monai-cache ls` reads the file, slots included
     store.release()
+
+
+GC_INSIDE_THE_LOCKS = """
+import gc, os, sys
+import torch
+import monai_cache
+
+
+def collect_inside_the_locks(frame, event, arg):
+    # The cycle collector runs finalizers at any allocation; make it run (and release the unreachable
+    # dataset's cache) at the worst moment: as a cache is joined or left, with the registry and root locks held.
+    if event == "call" and frame.f_code.co_name in ("_join", "leave"):
+        gc.collect()
+
+
+data = [{"x": torch.tensor(float(i))} for i in range(3)]
+gc.disable()
+for round_ in range(5):
+    ds = monai_cache.CacheDataset(data, progress=False, cache_key=f"garbage{round_}")
+    ds.self_cycle = ds  # unreachable after del: freed only by the cycle collector
+    assert float(ds[2]["x"]) == 2.0
+    del ds
+    sys.setprofile(collect_inside_the_locks)
+    other = monai_cache.CacheDataset(data, progress=False, cache_key=f"other{round_}")
+    sys.setprofile(None)
+    assert float(other[1]["x"]) == 1.0
+    other.release()
+gc.enable()
+root = os.path.join(os.environ["MONAI_CACHE_SHM_DIR"], f"monai_cache-{os.getuid()}")
+print(sorted(name for name in os.listdir(root) if not name.startswith(".")))
+"""
+
+
+def test_dataset_garbage_collected_while_a_cache_is_joined_does_not_deadlock(shm_dir):
+    """Its finalizer releases its cache later, once this thread holds no lock (it hung before)."""
+    r = subprocess.run([sys.executable, "-c", GC_INSIDE_THE_LOCKS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"  # every cache released, the collected ones included
