@@ -18,6 +18,7 @@ from monai.data import CacheDataset as _MonaiCacheDataset
 from monai.data import Dataset as _MonaiDataset
 from monai.data.meta_obj import get_track_meta
 from monai.data.utils import pickle_hashing
+from monai.transforms import Compose
 
 from monai_cache import __version__, codec
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
@@ -196,8 +197,9 @@ class CacheDataset(_MonaiCacheDataset):
         return indices
 
     def _fingerprint(self) -> str:
+        generation = (self._generation,) if self._generation else ()  # generation 0 keeps the plain key
         if self.cache_key is not None:
-            return "key-" + fingerprint(self.cache_key)[:40]
+            return "key-" + fingerprint(self.cache_key, *generation)[:40]
         return "cd-" + fingerprint(
             type(self),  # a subclass by value: its methods' code
             {name: getattr(self, name, None) for name in self._subclass_attributes},
@@ -212,6 +214,7 @@ class CacheDataset(_MonaiCacheDataset):
             self.as_contiguous,
             self.allow_pickle,
             get_track_meta(),
+            *generation,
         )[:40]
 
     def set_data(self, data: Sequence) -> None:
@@ -221,6 +224,9 @@ class CacheDataset(_MonaiCacheDataset):
         the workers must be re-created to see the new data.
         """
         self._release_cache()
+        # Each call starts a new cache: set_data(the same list) recomputes (e.g. files changed on disk) even
+        # while other processes still use the old one. Ranks calling it alike share each generation.
+        self._generation = getattr(self, "_generation", -1) + 1
         if not self._in_shared_memory():
             super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
             if self.hash_as_key:
@@ -243,7 +249,10 @@ class CacheDataset(_MonaiCacheDataset):
         # Release the entries when this dataset goes away (the last process using them removes them).
         weakref.finalize(self, store.release)
         if self.runtime_cache in (False, None):
-            self._fill_cache(indices)
+            filled = self._fill_cache(indices)
+            if filled is not store:  # a subclass's _fill_cache made a cache of its own: use it, as MONAI does
+                store.release()
+                self._cache = filled
 
     def _release_cache(self) -> None:
         cache = getattr(self, "_cache", None)
@@ -315,6 +324,8 @@ class CacheDataset(_MonaiCacheDataset):
                 data = self._cache[cache_index] = self._load_cache_item(data_index)
             else:
                 self._counts["hits"] += 1
+        if not isinstance(self.transform, Compose):  # e.g. reassigned to a plain callable; MONAI's message
+            raise ValueError("transform must be an instance of monai.transforms.Compose.")
         first_random = first_random_index(self.transform)
         if first_random is not None:
             if not private and self.copy_cache is True:

@@ -116,7 +116,8 @@ class PersistentDataset(_MonaiPersistentDataset):
             If `cache_dir` is `None`, there is effectively no caching.
         hash_func: a callable to compute hash from data items to be cached, defaults to
             `monai.data.utils.pickle_hashing` which uses sha256.
-        pickle_module: accepted for compatibility and checked against ``monai.data.utils.SUPPORTED_PICKLE_MOD``.
+        pickle_module: accepted for compatibility and, when ``cache_dir`` is given, checked against
+            ``monai.data.utils.SUPPORTED_PICKLE_MOD`` (MONAI's first write would fail on an unsupported one).
             MONAI passes it to ``torch.save``; these files are not pickles, so it is not used.
         pickle_protocol: accepted for compatibility; not used (the files are not pickles).
         hash_transform: a callable to compute hash from the transform information when caching, appended to
@@ -177,7 +178,8 @@ class PersistentDataset(_MonaiPersistentDataset):
         max_pending_writes: int = 8,
         max_pending_bytes: int | str = "512MiB",
     ) -> None:
-        look_up_option(pickle_module, SUPPORTED_PICKLE_MOD)  # MONAI would fail on the first write
+        if cache_dir is not None:  # MONAI would fail on the first write; with no cache_dir it never writes
+            look_up_option(pickle_module, SUPPORTED_PICKLE_MOD)
         # Set before MONAI's __init__ (which may call set_transform_hash). None is randomizable, so MONAI's
         # worker seeding (set_rnd walks __dict__) seeds the transforms as it does for MONAI's class.
         self.async_writes = async_writes

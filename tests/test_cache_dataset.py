@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import RandZeroInPlace, Times10, chain, read_calls
 from monai.data import DataLoader
-from monai.transforms import Compose
+from monai.transforms import Compose, Transform
 from test_codec import assert_same
 
 import monai_cache
@@ -79,6 +79,14 @@ def test_out_of_range_index_raises_so_iteration_ends(shm_dir, kw):
         with pytest.raises(IndexError, match=f"index {index} is out of range for a dataset of 4 items"):
             ours[index]
     assert ours[-1] == ref[-1] == {"x": 3}
+
+
+def test_transform_reassigned_to_a_plain_callable_gives_monais_error(shm_dir):
+    for cls in (monai.data.CacheDataset, monai_cache.CacheDataset):
+        ds = cls([{"x": 1}], progress=False)
+        ds.transform = lambda d: d
+        with pytest.raises(ValueError, match="transform must be an instance of monai.transforms.Compose"):
+            ds[0]
 
 
 def test_hash_as_key_with_runtime_cache_returns_the_right_item(shm_dir):
@@ -178,6 +186,65 @@ def test_set_data_recomputes_and_releases_old_entries(shm_dir, volumes):
 
     gc.collect()
     assert not os.path.exists(path)  # garbage collection releases the cache too
+
+
+class ReadNumber(Transform):
+    """Deterministic (so cached): reads the number in the item's file."""
+
+    def __call__(self, item):
+        with open(item["path"]) as f:
+            return {"x": torch.tensor(float(f.read()))}
+
+
+OTHER_RANK = """
+import sys
+sys.path.insert(0, {tests!r})
+import monai_cache
+from test_cache_dataset import ReadNumber
+
+ds = monai_cache.CacheDataset({data!r}, ReadNumber(), progress=False)
+print(float(ds[0]["x"]), ds._cache.path, flush=True)
+sys.stdin.readline()  # hold the cache until the test is done
+"""
+
+
+def test_set_data_recomputes_even_while_another_process_uses_the_old_cache(shm_dir, tmp_path):
+    """Another rank still holds the cache when this one calls set_data after the files changed."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "value.txt"
+    path.write_text("1")
+    data = [{"path": str(path)}]
+    ours = monai_cache.CacheDataset(data, ReadNumber(), progress=False)
+    script = OTHER_RANK.format(tests=os.path.dirname(os.path.abspath(__file__)), data=data)
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        value, other_path = other.stdout.readline().split()
+        assert float(value) == 1.0 and other_path == ours._cache.path  # one cache, two processes
+        path.write_text("2")
+        ours.set_data(data)
+        assert float(ours[0]["x"]) == 2.0  # MONAI recomputes in set_data; so must we
+        assert float(monai.data.CacheDataset(data, ReadNumber(), progress=False)[0]["x"]) == 2.0
+    finally:
+        other.communicate("done\n", timeout=60)
+    assert other.returncode == 0
+
+
+class ListFillingDataset(monai_cache.CacheDataset):
+    """MONAI's contract: set_data keeps whatever _fill_cache returns as the cache."""
+
+    def _fill_cache(self, indices=None):
+        return [{"x": self.data[i]["x"] + 1000} for i in range(self.cache_num)]
+
+
+def test_a_subclass_fill_cache_result_is_the_cache(shm_dir):
+    data = [{"x": i} for i in range(3)]
+    ours = ListFillingDataset(data, progress=False)
+    assert [ours[i]["x"] for i in range(3)] == [1000, 1001, 1002]
+    assert isinstance(ours._cache, list)
+    caches = [name for _, dirs, _ in os.walk(shm_dir) for name in dirs if name.startswith("cd-")]
+    assert caches == []  # the shared-memory cache it replaced was released
 
 
 def test_budget_full_degrades_with_one_warning(shm_dir, volumes):

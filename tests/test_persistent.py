@@ -461,6 +461,13 @@ def test_full_disk_warns_once_and_trains_uncached(tmp_path):
         assert all(n.endswith(".mcache") for n in os.listdir(small))
 
 
+def test_pickle_module_is_checked_only_where_monai_would_write(tmp_path):
+    for cls in (MonaiPersistentDataset, PersistentDataset):  # cache_dir=None never writes: MONAI accepts it
+        assert cls([{"x": 1}], None, None, pickle_module="no-such-module")[0] == {"x": 1}
+    with pytest.raises(ValueError, match="no-such-module"):
+        PersistentDataset([{"x": 1}], None, tmp_path, pickle_module="no-such-module")
+
+
 def test_cache_dir_none_behaves_as_uncached(nifti, tmp_path):
     ds = PersistentDataset(nifti[:2], chain(), None)
     cached = PersistentDataset(nifti[:2], chain(), tmp_path, async_writes=False)
