@@ -317,8 +317,8 @@ def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
 
     Only entry files (``*.mcache`` starting with the disk magic number), packs and their indexes
     (``pack.<host>.<pid>.<n>.mcpack`` / ``.mcidx``, empty or starting with our magic numbers) and our temporary
-    files (``.<key>.<host>.<pid>.<n>.tmp``) are removed; anything else (MONAI's ``.pt`` files, the user's own
-    files) is left alone.
+    files (``.<key prefix>.<host>.<pid>.<kind><n>.tmp``) are removed; anything else (MONAI's ``.pt`` files,
+    the user's own files) is left alone.
 
     Args:
         cache_dir: a ``PersistentDataset`` ``cache_dir``.

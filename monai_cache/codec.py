@@ -23,7 +23,7 @@ tag    meaning
 ``t``  tuple: ``"v"`` list of nodes
 ``f``  non-finite float: ``"v"`` is ``"nan"``, ``"inf"`` or ``"-inf"``
 ``c``  complex: ``"r"``, ``"i"`` float nodes
-``e``  enum member: ``"c"`` ``"module:QualName"`` (only ``monai.*`` enums are loaded), ``"v"`` value node
+``e``  enum member: ``"c"`` ``"module:QualName"`` (only from ``monai.*`` or imported modules), ``"v"`` value
 ``T``  torch.Tensor  ``"dt"`` dtype name, ``"sh"`` shape, ``"b"`` buffer index or ``"x"`` base64 bytes,
        optional ``"pm"`` permutation (the stored order is ``tensor.permute(pm)``, restored by the inverse),
        optional ``"sd"`` stored dtype (lossless or requested downcast), optional ``"dev"`` device

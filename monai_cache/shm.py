@@ -1,6 +1,6 @@
-"""A node-wide cache of encoded items in POSIX shared memory (``/dev/shm``), one file per entry.
+"""A node-wide cache of encoded items in POSIX shared memory (``/dev/shm``), shared by every process.
 
-Layout (``root`` is ``/dev/shm`` unless configured)::
+Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md describes it in full)::
 
     root/monai_cache-<uid>/            mode 0700, owned by the user: nobody else can read or plant entries
         .lock                          flock'ed while a process joins or leaves a cache (short)
@@ -10,8 +10,10 @@ Layout (``root`` is ``/dev/shm`` unless configured)::
             stats                      4 KiB of shared counters (bytes, entries, hits, misses, ...) and
                                        per-process hit slots
             locks                      byte i is OFD-locked while someone computes entry i
-            <i>.e                      entry i: an encoded blob (see monai_cache.codec), mode 0600
-            .tmp.<pid>.<n>             an entry being written; renamed to <i>.e when complete
+            index                      a 32-byte slot per entry: where it lives, its tag and checksum
+            s.<n>                      a segment: small entries (under PACK_LIMIT) packed one after another
+            <i>.e                      entry i when it is PACK_LIMIT bytes or larger: a file of its own
+            .tmp.<pid>.<tid>.<n>       a large entry being written; renamed to <i>.e when complete
 
 Why plain files and not ``multiprocessing.shared_memory``: on Linux POSIX shared memory *is* a tmpfs
 file, and Python 3.11's ``SharedMemory`` registers every segment with a resource tracker that unlinks it
@@ -20,10 +22,12 @@ Files we open and ``mmap`` ourselves are not tracked, so nothing deletes entries
 
 Guarantees:
 
-* An entry becomes visible only through ``rename`` once it is complete, so a crash at any moment never
-  leaves an entry that a reader accepts; readers also validate the blob and treat a bad one as missing.
-* Reads map the file copy-on-write (``MAP_PRIVATE``): zero-copy, and a transform writing into the tensor it
-  got only changes its private pages, never the shared copy.
+* An entry becomes visible only when its index slot is written, after its bytes are complete (a large
+  entry's file is renamed into place first), so a crash at any moment never leaves an entry that a reader
+  accepts; readers also validate the slot (checksum, tag) and the blob and treat a bad one as missing.
+* Reads never share writable memory: a large entry is mapped copy-on-write (``MAP_PRIVATE``, zero-copy),
+  a small one is read into a private buffer. A transform writing into the tensor it got never changes the
+  shared copy.
 * Lifetime: each process using a cache holds a shared ``flock`` on its lease file; the kernel drops it when
   the process dies. The last process to leave normally removes the cache. A cache whose lease nobody holds
   is stale (its users crashed) and is reclaimed by the next process that joins any cache, unless it was
@@ -62,8 +66,8 @@ _MISSING = object()
 _CORRUPT = object()
 
 # Small entries are packed one after another into shared segment files (one being appended to per
-# process), so a 16 KiB item costs 16 KiB and not a page-rounded file; an index of fixed 16-byte slots
-# (segment, offset / 64, length, checksum) says where entry i lives. Entries of PACK_LIMIT bytes or more
+# process), so a 16 KiB item costs 16 KiB and not a page-rounded file; an index of fixed 32-byte slots
+# (_SLOT: segment, tag, offset, length, checksum) says where entry i lives. Entries of PACK_LIMIT bytes or more
 # get a file of their own (slot segment STANDALONE), where page rounding is negligible.
 PACK_LIMIT = 1 << 20
 SEGMENT_SIZE = 64 << 20

@@ -85,7 +85,7 @@ def test_transform_reassigned_to_a_plain_callable_gives_monais_error(shm_dir):
     for cls in (monai.data.CacheDataset, monai_cache.CacheDataset):
         ds = cls([{"x": 1}], progress=False)
         ds.transform = lambda d: d
-        with pytest.raises(ValueError, match="transform must be an instance of monai.transforms.Compose"):
+        with pytest.raises(ValueError, match=r"transform must be an instance of monai\.transforms\.Compose"):
             ds[0]
 
 
