@@ -90,7 +90,10 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def _function_parts(fn: types.FunctionType) -> tuple:
-    """A user function by value: code, defaults, closure values and the module globals its code reads."""
+    """A user function by value: code, defaults, closure values and the module globals its code reads.
+
+    Not its module's name: the same script is ``__main__`` in a rank and ``train`` where it is imported.
+    """
     closure = []
     for cell in fn.__closure__ or ():
         try:
@@ -102,12 +105,14 @@ def _function_parts(fn: types.FunctionType) -> tuple:
         if name in fn.__globals__:
             value = fn.__globals__[name]
             reads[name] = ("module", value.__name__) if isinstance(value, types.ModuleType) else value
-    return (fn.__module__, fn.__qualname__, _code_state(fn.__code__), fn.__defaults__, fn.__kwdefaults__,
-            tuple(closure), reads)
+    return fn.__qualname__, _code_state(fn.__code__), fn.__defaults__, fn.__kwdefaults__, tuple(closure), reads
 
 
 def _class_parts(cls: type) -> tuple:
-    """A user class by value: its bases and what its body defines (methods by value, class attributes)."""
+    """A user class by value: its bases and what its body defines (methods by value, class attributes).
+
+    Not its module's name (see :func:`_function_parts`).
+    """
     body = []
     for name, value in sorted(vars(cls).items()):
         if name in _CLASS_SKIP:
@@ -117,7 +122,7 @@ def _class_parts(cls: type) -> tuple:
         elif isinstance(value, property):
             value = ("property", value.fget, value.fset, value.fdel)
         body.append((name, value))
-    return cls.__module__, cls.__qualname__, cls.__bases__, tuple(body)
+    return cls.__qualname__, cls.__bases__, tuple(body)
 
 
 def _user_code(kind: str, *parts: Any) -> None:  # pragma: no cover - named in pickles that are never loaded
@@ -174,7 +179,7 @@ class _SettingsPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (types.FunctionType, type)) and not _by_name(obj):
             if id(obj) in self._in_progress:
-                return _user_code, ("ref", obj.__module__, obj.__qualname__)
+                return _user_code, ("ref", obj.__qualname__)
             self._in_progress.add(id(obj))
             try:  # pickle the parts now, while the recursion guard holds
                 if isinstance(obj, type):
@@ -220,7 +225,9 @@ def _digest_parts(parts: Iterable[Any]) -> str:
 
 def transforms_fingerprint(transforms: Sequence[Callable]) -> str:
     """SHA-256 of the given transforms (their classes and settings)."""
-    return _digest_parts([[type(t).__module__ + "." + type(t).__qualname__ for t in transforms], *transforms])
+    # a user class by its qualified name only: its module is __main__ in a rank, another name where imported
+    names = [(type(t).__module__ + "." if _by_name(type(t)) else "") + type(t).__qualname__ for t in transforms]
+    return _digest_parts([names, *transforms])
 
 
 def chain_fingerprint(transform: Compose) -> str:

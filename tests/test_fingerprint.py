@@ -187,3 +187,39 @@ def test_fingerprints_agree_between_processes_whatever_their_hash_seed():
         for seed in range(4)
     }
     assert len(outs) == 1 and len(outs.pop().strip()) == 64
+
+
+TRAINING_SCRIPT = '''
+from monai.transforms import Compose, Lambdad, MapTransform
+
+SCALE = 2
+
+
+class Scale(MapTransform):
+    def __call__(self, data):
+        return {k: v * SCALE for k, v in data.items()}
+
+
+def chain():
+    return Compose([Scale("x"), Lambdad("x", lambda v: v + SCALE)])
+
+
+if __name__ == "__main__":
+    from monai_cache.fingerprint import chain_fingerprint
+
+    print(chain_fingerprint(chain()))
+'''
+
+
+def test_the_same_code_run_as_a_script_or_imported_has_one_fingerprint(tmp_path):
+    """Ranks run the script as __main__; a tool that imports it must find the same cache."""
+    (tmp_path / "train_script.py").write_text(TRAINING_SCRIPT)
+    as_script = subprocess.run(
+        [sys.executable, "train_script.py"], cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    imported = subprocess.run(
+        [sys.executable, "-c", "import train_script\nfrom monai_cache.fingerprint import chain_fingerprint\n"
+         "print(chain_fingerprint(train_script.chain()))"],
+        cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120,
+    ).stdout
+    assert as_script == imported and len(as_script.strip()) == 64
