@@ -241,11 +241,12 @@ def chain_fingerprint(transform: Compose) -> str:
 
 def library_versions() -> tuple[str, str]:
     """Versions of MONAI and torch: their transforms are fingerprinted by name, so a new version (which may
-    compute other values) must give new fingerprints."""
+    compute other values) must give new fingerprints. torch's build tag (``+cpu``, ``+cu124``) is left out,
+    so that CPU and GPU machines sharing a cache directory agree."""
     import monai
     import torch
 
-    return str(monai.__version__), str(torch.__version__)
+    return str(monai.__version__), str(torch.__version__).split("+")[0]
 
 
 def fingerprint(*parts: Any) -> str:

@@ -206,14 +206,15 @@ def test_attach_ls_and_clear_do_not_scan_entries(filled):
         t = time.perf_counter()
         ds = CacheDataset([{{"i": i}} for i in range({N})], MakeImage(), progress=False)
         dt = time.perf_counter() - t
-        print(dt, ds.cache_stats()["process"]["misses"])
+        print(ds._cache.path, dt, ds.cache_stats()["process"]["misses"])
         """
     )
     env = dict(ENV, MONAI_CACHE_SHM_DIR=filled["shm_dir"])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    dt, misses = out.stdout.split()[-2:]
+    path, dt, misses = out.stdout.split()[-3:]
     print(f"\nattach a CacheDataset to a filled cache of {N}: {float(dt):.2f} s")
+    assert path == store.path  # the same fingerprint in a new process
     assert int(misses) == 0
 
 
