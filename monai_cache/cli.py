@@ -242,7 +242,7 @@ def disk_cache_info(cache_dir: str) -> dict[str, Any]:
                 continue  # entry files: counted above
             try:
                 if rec.path not in fds:
-                    fds[rec.path] = os.open(rec.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    fds[rec.path] = os.open(rec.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
                 h = read_header(os.pread(fds[rec.path], HEADER_SIZE, rec.offset))
                 if HEADER_SIZE + h["stored_len"] != rec.length or h["key_tag"] != rec.tag:
                     raise codec.CorruptEntryError("record does not match its index")

@@ -141,6 +141,9 @@ DEFAULT_COMPRESSION_LEVEL = -1
 """zstd level used by default, chosen with ``benchmarks/bench_persistent.py`` (see ``docs/persistent.md``): the
 files stay well under the size of the ``.nii.gz`` sources, and negative levels store literals raw, which
 makes both compression (cold epoch) and decompression (warm epochs) about twice as fast as levels >= 1."""
+# Opening files of the cache directory for reading: no symlinks, and O_NONBLOCK so that a FIFO planted under
+# an entry or index name cannot block the reader (it is then rejected as not a regular file).
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 STALE_TMP_SECONDS = 3600.0  # temporary files older than this are left-overs of killed writers
 _HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 _IO_CHUNK = 1 << 30
@@ -460,7 +463,7 @@ def read_entry(path: str, key: str | None = None, allow_pickle: bool = False) ->
     if key is None:
         name = os.path.basename(path)
         key = name[: -len(ENTRY_SUFFIX)] if name.endswith(ENTRY_SUFFIX) else name
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, _READ_FLAGS)
     try:
         blob, _ = read_blob(fd, key or None)
     finally:
@@ -517,7 +520,7 @@ def read_index(path: str, pos: int = 0) -> tuple[list[tuple[bytes, int, int, int
     Raises:
         OSError: the file could not be opened or read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, _READ_FLAGS)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -623,7 +626,7 @@ def read_packed(entry: StoredEntry, allow_pickle: bool = False) -> Any:
         CorruptEntryError: the record is not a valid entry for its indexed key tag.
         OSError: the pack could not be opened or read.
     """
-    fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(entry.path, _READ_FLAGS)
     try:
         blob, _ = read_blob(fd, None, entry.offset, entry.length, entry.tag)
     finally:
@@ -647,7 +650,7 @@ def remove_packed(entry: StoredEntry) -> None:
     """
     if entry.tag is None or entry.index_path is None or entry.index_pos < INDEX_HEADER_SIZE:
         raise ValueError(f"not a packed record with a known index record: {entry!r}")
-    fd = os.open(entry.index_path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(entry.index_path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         rec = _index_record(entry.tag, entry.offset, entry.length, 0, INDEX_REMOVED)
         if os.pwrite(fd, rec, entry.index_pos) != len(rec):  # pragma: no cover - 48 bytes
@@ -757,7 +760,9 @@ class _SharedCounters:
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, 8 * (len(_FIELDS) + 1))  # MAP_SHARED | MAP_ANONYMOUS
         self._fd = os.memfd_create("monai_cache-counters", os.MFD_CLOEXEC)
-        weakref.finalize(self, os.close, self._fd)
+        # Not at interpreter exit: the exit flush of pending writes (which counts them) runs after
+        # weakref's exit hook, and would find the descriptor closed. The process's end closes it.
+        weakref.finalize(self, os.close, self._fd).atexit = False
         self._thread_lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -1206,7 +1211,7 @@ class DiskStore:
         name, offset, length, _ = loc
         path = os.path.join(self.directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, _READ_FLAGS)
         except (FileNotFoundError, NotADirectoryError):  # the pack was removed (cache cleared)
             self._forget(key, loc)
             return _GONE
@@ -1280,7 +1285,7 @@ class DiskStore:
         """The item in the entry file of ``key``; :data:`MISSING` if it is bad, ``_NO_FILE`` if there is none."""
         path = self.path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, _READ_FLAGS)
         except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory at all)
             return _NO_FILE
         except OSError as e:

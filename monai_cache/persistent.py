@@ -368,7 +368,9 @@ class PersistentDataset(_MonaiPersistentDataset):
 
         Small items are packed: for them this is the pack file (``pack.<host>.<pid>.<n>.mcpack``) that holds
         the item's record among others (:meth:`entry_location` gives its offset). Otherwise it is the item's
-        own ``.mcache`` file, where it is or would be written.
+        own ``.mcache`` file. For an item not stored yet (or still pending) it is the name that file would
+        have, which a small item never gets: :meth:`entry_location` (None until stored) tells whether and
+        where an item is stored.
 
         Args:
             index: position in ``self.data``.

@@ -32,6 +32,7 @@ from monai.transforms import (
     RandCropByPosNegLabeld,
     ScaleIntensityRanged,
     Spacingd,
+    Transform,
 )
 
 from monai_cache import disk
@@ -217,6 +218,85 @@ def test_dataloader_workers_flush_at_exit_and_match_monai(nifti, tmp_path, monke
     for name in our_files(tmp_path / "ours"):
         assert oct(os.stat(tmp_path / "ours" / name).st_mode & 0o777) == "0o600"
     assert oct(os.stat(tmp_path / "ours").st_mode & 0o777) == "0o700"
+
+
+MAIN_PROCESS_EXIT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from monai.transforms import Compose, Transform
+import monai_cache.disk as disk
+from monai_cache import PersistentDataset
+
+original = disk.write_entry
+
+
+def slow(*args, **kwargs):  # a slow store: writes are still pending when the interpreter exits
+    time.sleep(0.3)
+    return original(*args, **kwargs)
+
+
+disk.write_entry = slow
+
+
+class Make(Transform):
+    def __call__(self, i):
+        return {{"v": torch.arange(100_000.0) + i}}  # 400 KB: an entry file each
+
+
+ds = PersistentDataset(list(range(6)), Compose([Make()]), cache_dir={cache_dir!r})
+for i in range(6):
+    ds[i]
+print(ds.cache_stats()["process"]["writes_pending"])
+"""
+
+
+def test_main_process_flushes_pending_writes_at_normal_exit(tmp_path):
+    """num_workers=0, notebooks, validation loops: the exit flush in the process that built the dataset."""
+    import subprocess
+    import sys
+
+    script = MAIN_PROCESS_EXIT.format(tests=os.path.dirname(os.path.abspath(__file__)), cache_dir=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
+    assert int(r.stdout.split()[-1]) >= 2  # writes were pending when the script ended
+    assert len(our_files(tmp_path)) == 6
+    ds = PersistentDataset(list(range(6)), Compose([_Arange()]), tmp_path, async_writes=False)
+    assert [float(ds[i]["v"][0]) for i in range(6)] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class _Arange(Transform):
+    def __call__(self, i):
+        return {"v": torch.arange(100_000.0) + i}
+
+
+FIFO_READER = """
+import os, sys
+import torch
+from monai.transforms import Compose, Transform
+from monai_cache import PersistentDataset
+
+
+class Make(Transform):
+    def __call__(self, i):
+        return {{"v": torch.arange(100_000.0) + i}}
+
+
+ds = PersistentDataset([0, 1], Compose([Make()]), cache_dir={cache_dir!r})
+os.mkfifo(ds.entry_path(0))  # under an entry's name
+os.mkfifo(os.path.join({cache_dir!r}, "pack.0a7c9cdf.1.1.mcidx"))  # under a pack index's name
+print(float(ds[0]["v"][0]), float(ds[1]["v"][1]))
+"""
+
+
+def test_a_fifo_in_the_cache_dir_never_blocks_a_reader(tmp_path):
+    import subprocess
+    import sys
+
+    script = FIFO_READER.format(cache_dir=str(tmp_path / "c"))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0.0", "2.0"]
 
 
 def test_pickle_and_hooks(nifti, tmp_path):
