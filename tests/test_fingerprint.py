@@ -184,7 +184,7 @@ def test_fingerprints_agree_between_processes_whatever_their_hash_seed():
             [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
             env={**os.environ, "PYTHONHASHSEED": str(seed)},
         ).stdout
-        for seed in range(4)
+        for seed in (0, 1)  # these two seeds order the set's strings differently
     }
     assert len(outs) == 1 and len(outs.pop().strip()) == 64
 
