@@ -49,6 +49,7 @@ import shutil
 import stat
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -251,6 +252,8 @@ class _Stats:
             _U64.pack_into(self._map, 0, _STATS_MAGIC)
 
     def snapshot(self) -> dict[str, int]:
+        if self._map.closed:  # the cache was left and removed: nothing is held any more
+            return _unpack_stats(bytes(_STATS_SIZE))
         return _unpack_stats(self._map)
 
     def reinit_after_fork(self) -> None:
@@ -520,9 +523,11 @@ class _Directory:
         """Drop this process's lease; remove the cache if nobody else holds one. True if removed."""
         if self.lease_fd < 0 or os.getpid() != self.owner_pid:
             return False
-        if not os.path.isdir(self.path):  # removed under us (monai-cache clear --all): nothing left to do
+        if not os.path.isdir(self.path):  # removed under us (monai-cache clear --all): free what we still hold
             os.close(self.lease_fd)
             self.lease_fd = -1
+            self.stats.close()  # the removed files' memory is freed when their last descriptor and map go
+            self.close_files()
             return False
         with _RootLock(self.root):
             os.close(self.lease_fd)
@@ -625,6 +630,12 @@ def _release_directory(d: _Directory) -> None:
     d.leave()
 
 
+def _release_in_owner(d: _Directory, pid: int) -> None:
+    """A store's finalizer: give its reference to ``d`` back, in the process that took it (not in a fork)."""
+    if os.getpid() == pid:
+        _release_directory(d)
+
+
 def _after_fork_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()
@@ -675,11 +686,13 @@ class SharedMemoryStore:
         "_budget",
         "_describe",
         "_dir",
+        "_finalizer",
         "_keep",
         "_length",
         "_pid",
         "_proc_stats",
         "_released",
+        "_removed",
         "_reported",
         "_reserve",
         "_shm_dir",
@@ -718,6 +731,10 @@ class SharedMemoryStore:
         root = cache_root(self._shm_dir)
         self._dir = _acquire_directory(root, key, self._keep)
         self._pid = os.getpid()
+        # Every store (a dataset's, or a copy unpickled or deep-copied in this process) gives its reference
+        # back when it is garbage collected; release() does it now. A finalizer runs at most once.
+        self._finalizer = weakref.finalize(self, _release_in_owner, self._dir, self._pid)
+        self._removed = False  # the directory was removed while in use (monai-cache clear --all)
         self._proc_stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "skipped": 0, "corrupt": 0}
         self._reported: set[int] = set()
         self._unsupported: set[int] = set()  # entries whose item the codec cannot store: computed on each read
@@ -738,7 +755,14 @@ class SharedMemoryStore:
 
     def __getitem__(self, index: int) -> Any:
         i = self._check_index(index)
-        item = self._read(i)
+        if self._released or self._removed:
+            return None
+        try:
+            item = self._read(i)
+        except FileNotFoundError:
+            if not self._cache_removed():
+                raise
+            return None
         return None if item is _MISSING else item
 
     def __setitem__(self, index: int, item: Any) -> None:
@@ -970,15 +994,31 @@ class SharedMemoryStore:
                 sentinel-free ``None`` right away (False; used to split an eager fill between processes).
 
         Returns:
-            the item: decoded from shared memory when it could be published, else the computed object.
+            the item: decoded from shared memory when it could be published, else the computed object
+            (also after :meth:`release`, or once the cache was removed under this process).
         """
         i = self._check_index(index)
-        if i in self._unsupported:
+        if i in self._unsupported or self._released or self._removed:
             self._proc_stats["misses"] += 1
             return compute()
+        computed: list[Any] = []
+        try:
+            return self._get_or_compute(i, compute, wait, computed)
+        except FileNotFoundError:
+            if not self._cache_removed():
+                raise  # not ours (e.g. the transforms' input file is missing)
+            if computed:
+                return computed[0]
+            self._proc_stats["misses"] += 1
+            return compute()
+
+    def _get_or_compute(self, i: int, compute: Callable[[], Any], wait: bool, computed: list[Any]) -> Any:
         item = self._read(i)
         if item is not _MISSING:
             return item
+        if self._cache_removed():  # removed (and perhaps made anew) under us: our files are not its files
+            self._proc_stats["misses"] += 1
+            return compute()
         lock = OFDLock(self._dir.locks_path, i)
         if not lock.acquire(blocking=wait):
             return None
@@ -989,6 +1029,7 @@ class SharedMemoryStore:
             self._proc_stats["misses"] += 1
             self._dir.stats.add(misses=1)
             value = compute()
+            computed.append(value)
             if not self._write_computed(i, value):
                 return value
         finally:
@@ -999,7 +1040,17 @@ class SharedMemoryStore:
     def fill(self, index: int, compute: Callable[[], Any]) -> bool:
         """Make sure entry ``index`` exists without decoding it; False if another process is on it now."""
         i = self._check_index(index)
-        if i in self._unsupported or self.contains(i):
+        if i in self._unsupported or self._released or self._removed:
+            return True
+        try:
+            return self._fill(i, compute)
+        except FileNotFoundError:
+            if not self._cache_removed():
+                raise
+            return True
+
+    def _fill(self, i: int, compute: Callable[[], Any]) -> bool:
+        if self.contains(i):
             return True
         lock = OFDLock(self._dir.locks_path, i)
         if not lock.acquire(blocking=False):
@@ -1013,10 +1064,37 @@ class SharedMemoryStore:
             lock.release()
         return True
 
+    def _cache_removed(self) -> bool:
+        """Whether this cache was removed while in use (``monai-cache clear --all``, or ``set_data`` in the
+        process that owned it with persistent DataLoader workers still reading): one warning per process, and
+        from then on this process computes items uncached, as MONAI computes items past ``cache_num``."""
+        if self._removed:
+            return True
+        try:
+            removed = os.fstat(self._dir.index_fd).st_nlink == 0  # our index file was unlinked
+        except OSError:
+            removed = True
+        if removed:
+            self._removed = True
+            warn(
+                f"the shared-memory cache {self._dir.path} was removed while this process used it (by "
+                "`monai-cache clear --all`, or by set_data() in the process that built the dataset while "
+                "persistent DataLoader workers still read it): items are now computed on every read here",
+                stacklevel=5,
+            )
+        return removed
+
     def wait_for(self, index: int) -> None:
         """Block until nobody is computing entry ``index``."""
-        with OFDLock(self._dir.locks_path, self._check_index(index)):
-            pass
+        i = self._check_index(index)
+        if self._released or self._removed:
+            return
+        try:
+            with OFDLock(self._dir.locks_path, i):
+                pass
+        except FileNotFoundError:
+            if not self._cache_removed():
+                raise
 
     # -- bookkeeping --
     def stats(self) -> dict[str, dict[str, int]]:
@@ -1036,7 +1114,7 @@ class SharedMemoryStore:
         if self._released or os.getpid() != self._pid:
             return
         self._released = True
-        _release_directory(self._dir)
+        self._finalizer()
 
     def clear(self) -> None:
         """Forget every entry (other processes using the cache then see misses and recompute).
@@ -1090,12 +1168,18 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
         path = os.path.join(root, name)
         if name.startswith(".") or not os.path.isdir(path) or not os.path.exists(os.path.join(path, "stats")):
             continue  # not one of our caches
-        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
-        live = fd is None and os.path.exists(os.path.join(path, "lease"))
-        if fd is not None:
-            os.close(fd)
-        stats = _read_stats(os.path.join(path, "stats")) or {}
-        nbytes = sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(path) if e.is_file())
+        try:
+            # The probe takes the lease exclusively for an instant: under the root lock, so that a last user
+            # leaving at that moment (it probes under the same lock) never mistakes us for another user.
+            with _RootLock(root):
+                fd = _try_exclusive(os.path.join(path, "lease"), create=False)
+                live = fd is None and os.path.exists(os.path.join(path, "lease"))
+                if fd is not None:
+                    os.close(fd)
+            stats = _read_stats(os.path.join(path, "stats")) or {}
+            nbytes = sum(_blocks_of(e) for e in os.scandir(path))
+        except FileNotFoundError:  # removed while we looked (its last user left): not a cache any more
+            continue
         entries = stats.get("entries", 0)
         out.append(
             {
@@ -1109,6 +1193,13 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _blocks_of(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_blocks * 512 if entry.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:  # removed since the directory was listed
+        return 0
 
 
 def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> bool:

@@ -428,3 +428,123 @@ def test_fingerprint_does_not_change_once_transforms_have_run(shm_dir, volumes):
     again = monai_cache.CacheDataset(volumes[:2], tr, progress=False)
     fresh = monai_cache.CacheDataset(volumes[:2], chain(crop=None), progress=False)
     assert first._cache.path == again._cache.path == fresh._cache.path
+
+
+def full_of(v):
+    return torch.full((4,), float(v))
+
+
+def live_deleted_files(shm_dir: str) -> list[str]:
+    """This process's descriptors on files of shm_dir that were removed (memory still held)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(shm_dir) and target.endswith("(deleted)"):
+            out.append(target)
+    return out
+
+
+def test_clear_all_on_a_live_cache_degrades_to_uncached_reads(shm_dir):
+    """`monai-cache clear --all` while a job runs: its processes compute what they read, with one warning."""
+    import subprocess
+    import sys
+
+    from monai.transforms import Lambdad
+
+    data = [{"x": i} for i in range(8)]
+    ds = monai_cache.CacheDataset(data, Compose([Lambdad("x", full_of)]), progress=False, runtime_cache=True)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert sorted(int(v) for b in loader for v in b["x"][:, 0]) == list(range(8))
+    r = subprocess.run([sys.executable, "-m", "monai_cache", "clear", "--all"], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=120)
+    assert r.returncode == 0 and "removed 1 cache" in r.stdout, (r.stdout, r.stderr)
+    for _ in range(2):  # new workers each epoch: they find the cache gone too
+        assert sorted(int(v) for b in loader for v in b["x"][:, 0]) == list(range(8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [float(ds[i]["x"][0]) for i in range(8)] == [float(i) for i in range(8)]
+    assert sum("was removed while this process used it" in str(w.message) for w in caught) == 1
+    ds.release()
+    assert live_deleted_files(shm_dir) == []  # the removed files' memory is given back
+    assert ds.cache_stats()["machine"]["entries"] == 0
+
+
+def test_set_data_with_persistent_workers_keeps_them_serving_as_monai_does(shm_dir):
+    """MONAI documents persistent_workers=False for set_data; with True its workers serve the old data."""
+    from monai.transforms import Lambdad
+
+    results = {}
+    for cls in (monai.data.CacheDataset, monai_cache.CacheDataset):
+        ds = cls([{"x": i} for i in range(6)], Compose([Lambdad("x", full_of)]), progress=False, runtime_cache=True)
+        loader = DataLoader(  # shuffled: a worker then reads entries another one wrote, in files it never opened
+            ds, batch_size=2, num_workers=2, persistent_workers=True, multiprocessing_context="fork", shuffle=True
+        )
+        epochs = []
+        for epoch in range(3):
+            epochs.append(sorted(int(v) for b in loader for v in b["x"][:, 0]))
+            ds.set_data([{"x": i + 10 * (epoch + 1)} for i in range(6)])
+        results[cls.__module__] = epochs
+        del loader
+    assert results["monai_cache.dataset"] == results["monai.data.dataset"] == [list(range(6))] * 3
+
+
+def test_reading_after_release_computes_the_item(shm_dir):
+    from monai.transforms import Lambdad
+
+    ds = monai_cache.CacheDataset([{"x": i} for i in range(3)], Compose([Lambdad("x", full_of)]), progress=False)
+    path = ds._cache.path
+    ds.release()
+    assert not os.path.exists(path)
+    assert [float(ds[i]["x"][0]) for i in range(3)] == [0.0, 1.0, 2.0] and ds._cache[0] is None
+    assert ds.cache_stats()["machine"]["bytes"] == 0
+
+
+def test_a_copy_of_the_dataset_gives_its_reference_back_when_collected(shm_dir):
+    import copy
+    import gc
+    import pickle
+
+    for make_copy in (copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
+        ds = monai_cache.CacheDataset([{"x": torch.tensor(float(i))} for i in range(3)], progress=False)
+        path = ds._cache.path
+        clone = make_copy(ds)
+        assert clone._cache.path == path and float(clone[2]["x"]) == 2.0
+        del clone
+        gc.collect()
+        ds.release()
+        assert not os.path.exists(path)  # it was pinned until the process exited
+
+
+def test_listing_caches_while_jobs_start_and_end(shm_dir):
+    import threading
+
+    from monai_cache.shm import list_caches
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn():
+        n = 0
+        while not stop.is_set():
+            store = monai_cache.SharedMemoryStore(f"churn{n % 5}", 4, shm_dir=shm_dir)
+            store[0] = {"x": torch.zeros(4)}
+            store.release()
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(200):
+            try:
+                for cache in list_caches(shm_dir):
+                    assert cache["state"] in ("live", "stale", "kept")
+            except BaseException as e:  # collected and reported below
+                errors.append(e)
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+    assert [c for c in list_caches(shm_dir) if c["state"] != "stale"] == []
