@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from functools import partial
@@ -245,9 +244,9 @@ class CacheDataset(_MonaiCacheDataset):
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
         )
-        self._cache = store  # type: ignore[assignment]  # list-like, as MONAI's runtime_cache containers
-        # Release the entries when this dataset goes away (the last process using them removes them).
-        weakref.finalize(self, store.release)
+        # list-like, as MONAI's runtime_cache containers; the store gives its entries back when it is collected
+        # with this dataset (the last process using them removes them)
+        self._cache = store  # type: ignore[assignment]
         if self.runtime_cache in (False, None):
             filled = self._fill_cache(indices)
             if filled is not store:  # a subclass's _fill_cache made a cache of its own: use it, as MONAI does
