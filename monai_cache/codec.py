@@ -56,6 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from monai_cache.errors import CorruptEntryError, UnsupportedValueError
+
 __all__ = [
     "ALIGN",
     "FORMAT_VERSION",
@@ -108,14 +110,6 @@ _NUMPY_DOWNCASTABLE = frozenset(
     np.dtype(name).newbyteorder("<")
     for name in ("int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32", "float64")
 )
-
-
-class CorruptEntryError(ValueError):
-    """An encoded blob is truncated, damaged, foreign or otherwise not safely decodable."""
-
-
-class UnsupportedValueError(TypeError):
-    """A value in a cached item has a type that the codec cannot store without pickle."""
 
 
 def _align(n: int) -> int:

@@ -21,17 +21,10 @@ from monai.utils import convert_to_tensor, look_up_option
 from torch.serialization import DEFAULT_PROTOCOL
 
 from monai_cache import codec
-from monai_cache.disk import (
-    DEFAULT_COMPRESSION_LEVEL,
-    DISK_FORMAT_VERSION,
-    MISSING,
-    DiskStore,
-    StoredEntry,
-    empty_stats,
-    prepare_cache_dir,
-    sweep_temp_files,
-)
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.disk_format import DEFAULT_COMPRESSION_LEVEL, DISK_FORMAT_VERSION, StoredEntry
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, library_versions
+from monai_cache.runtime import COUNTERS, cache_stats
 
 __all__ = ["DEFAULT_COMPRESSION_LEVEL", "PersistentDataset"]
 
@@ -216,8 +209,7 @@ class PersistentDataset(_MonaiPersistentDataset):
         if self.cache_dir is None:
             self._store = None
             return None
-        problem = prepare_cache_dir(self.cache_dir)  # raises ValueError if it is a file
-        store = DiskStore(
+        store = DiskStore.open(  # raises ValueError if cache_dir is a file
             self.cache_dir,
             compression=self.compression,
             compression_level=self.compression_level,
@@ -230,10 +222,6 @@ class PersistentDataset(_MonaiPersistentDataset):
             max_pending_writes=self.max_pending_writes,
             max_pending_bytes=self.max_pending_bytes,
         )
-        if problem is not None:
-            store.disable_writes(f"{problem}. Training continues uncached; pass a writable cache_dir to cache.")
-        else:
-            sweep_temp_files(str(self.cache_dir))
         self._store = store
         return store
 
@@ -337,19 +325,17 @@ class PersistentDataset(_MonaiPersistentDataset):
 
     # -- extras --
     def cache_stats(self) -> dict[str, dict[str, Any]]:
-        """Cache counters: ``{"process": {...}, "total": {...}}``.
+        """Cache counters: ``{"process": {...}, "total": {...}, "stored": {"entries", "bytes"}}``, the shape
+        every dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
-        ``process`` counts this process only (in a DataLoader worker: that worker); ``total`` sums this
-        process and the DataLoader workers forked from it (spawned workers keep their own). Keys:
-        ``hits``, ``misses``, ``corrupt`` (bad files removed, bad packed records ignored), ``unsupported``
-        (items not cacheable without pickle), ``writes`` (entries written), ``write_errors``, ``skipped``
-        (writes found done already or not possible), ``writes_pending``, ``bytes_read``, ``bytes_written``
-        (file bytes), ``bytes_raw`` (tensor bytes of the written items in memory), ``bytes_encoded`` (after
-        downcasting, before compression) and ``compression_ratio`` (``bytes_raw / bytes_written``). All zero
-        when ``cache_dir`` is None.
+        ``total`` sums this process and the DataLoader workers forked from it (spawned workers keep their
+        own); ``stored`` counts the entries in ``cache_dir`` now. All zero when ``cache_dir`` is None.
         """
         store = self._get_store()
-        return empty_stats() if store is None else store.stats()
+        if store is None:
+            zeros = dict.fromkeys(COUNTERS, 0)
+            return cache_stats(zeros, zeros, 0, 0)
+        return store.stats()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until this process's pending cache writes are on disk.

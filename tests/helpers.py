@@ -88,6 +88,21 @@ def chain(log_path: str | None = None, crop: int | None = 8) -> Compose:
     return Compose(ts)
 
 
+def open_for_writing(pid: int, directory) -> int:
+    """How many files of ``directory`` process ``pid`` holds open for writing (a writer is inside a write)."""
+    n = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not target.startswith(str(directory) + "/"):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+                n += (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+    return n
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -137,7 +137,7 @@ def disk_cache(tmp_path):
 
 
 def test_info_verify_clear_disk_cache(disk_cache):
-    from monai_cache.disk import stored_entries
+    from monai_cache.disk_format import stored_entries
 
     entries = list(stored_entries(str(disk_cache)))
     assert len(entries) == 4 and all(e.packed for e in entries)  # tiny items: records in one pack
@@ -180,14 +180,15 @@ def test_disk_commands_on_missing_dir_exit_2(tmp_path):
     assert "not a directory" in cl("clear", "--cache-dir", str(tmp_path / "nope"), check=2).stderr
 
 
-def test_clear_removes_an_emptied_cache_dir(tmp_path):
-    from monai_cache.disk import DISK_MAGIC
+def test_clear_removes_an_emptied_cache_dir(tmp_path, capsys):
+    from monai_cache.disk_format import DISK_MAGIC
 
     d = tmp_path / "c"
     d.mkdir()
     (d / "k.mcache").write_bytes(DISK_MAGIC + bytes(100))
     (d / ".k.abcd1234.123.w0.tmp").write_bytes(b"partial")
-    out = cli.clear_disk_cache(str(d))
+    assert cli.main(["clear", "--cache-dir", str(d), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["removed"] == 2 and out["removed_dir"] and not d.exists()
 
 

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import read_entry, read_packed
+from monai_cache.disk_format import read_entry, read_packed
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import cache_root
 

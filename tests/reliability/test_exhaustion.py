@@ -19,8 +19,10 @@ import torch
 
 from monai_cache import codec
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import DiskStore, read_entry, read_packed, sweep_temp_files
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import read_entry, read_packed
 from monai_cache.persistent import PersistentDataset
+from monai_cache.runtime import sweep_temp_files
 from monai_cache.shm import SharedMemoryStore, cache_root
 
 from ._harness import (

@@ -31,10 +31,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monai_cache import disk
+from monai_cache import disk_format, runtime
 from monai_cache.codec import CorruptEntryError, decode, encode
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import MISSING, DiskStore, read_entry
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import SharedMemoryStore, blob_tag
 
@@ -460,7 +461,7 @@ def test_crafted_disk_headers_never_crash(tmp_path):
     d = str(tmp_path / "cache")
     os.makedirs(d)
     key = "entry"
-    path = os.path.join(d, key + disk.ENTRY_SUFFIX)
+    path = os.path.join(d, key + disk_format.ENTRY_SUFFIX)
     item, blob = samples()[0]
     other_blob = samples()[2][1]
     zc = zstandard.ZstdCompressor()
@@ -475,7 +476,7 @@ def test_crafted_disk_headers_never_crash(tmp_path):
         "empty": b"",
         "zstd without content size": zstandard.ZstdCompressor(write_content_size=False).compress(blob),
     }
-    real_tag = disk.key_tag(key)
+    real_tag = disk_format.key_tag(key)
     outcomes: Counter = Counter()
 
     @FUZZ
@@ -491,13 +492,13 @@ def test_crafted_disk_headers_never_crash(tmp_path):
         body = payloads[payload]
         real = len(blob) if payload != "zstd of another item" else len(other_blob)
         if flags == "natural":  # what a writer would set for this payload
-            flags = 0 if payload in ("raw", "random", "empty") else disk.FLAG_ZSTD
+            flags = 0 if payload in ("raw", "random", "empty") else disk_format.FLAG_ZSTD
         blob_len = {"real": real, "real-1": real - 1, "real+1": real + 1, "zero": 0, "64MiB": 64 << 20,
                     "512GiB": 512 << 30}.get(blob_len, blob_len)
         stored_len = {"file": len(body), "file-1": len(body) - 1, "file+1": len(body) + 1, "zero": 0}.get(
             stored_len, stored_len)
-        head = disk._HEADER.pack(
-            disk.DISK_MAGIC, version, hsize, flags, blob_len, max(0, stored_len),
+        head = disk_format.HEADER.pack(
+            disk_format.DISK_MAGIC, version, hsize, flags, blob_len, max(0, stored_len),
             zlib.crc32(body) if crc == "right" else 12345, codec_version,
             real_tag if tag == "right" else os.urandom(16), 0, 0,
         )
@@ -549,7 +550,7 @@ def test_a_tiny_file_claiming_a_huge_blob_allocates_nothing_big(tmp_path):
     payload = zstandard.ZstdCompressor().compress(b"\0" * 100)
     paths = []
     for claim in (1 << 30, 8 << 30, 512 << 30):
-        head = disk._pack_header(disk.FLAG_ZSTD, claim, len(payload), zlib.crc32(payload), f"k{claim}")
+        head = disk_format.pack_header(disk_format.FLAG_ZSTD, claim, len(payload), zlib.crc32(payload), f"k{claim}")
         paths.append(str(tmp_path / f"k{claim}.mcache"))
         with open(paths[-1], "wb") as f:
             f.write(head + payload)
@@ -678,11 +679,12 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
 
     def disk_entry(key: str, content: bytes) -> bytes:
         """A well-formed disk file (right key tag and checksums) around an arbitrary blob."""
-        head = disk._pack_header(0, len(content), len(content), zlib.crc32(content), key)
+        head = disk_format.pack_header(0, len(content), len(content), zlib.crc32(content), key)
         return head + content
 
     keys = [ds._entry_key(ds.data[i]) for i in range(n)]
-    assert [ds.entry_path(i).name for i in range(n)] == [k + disk.ENTRY_SUFFIX for k in keys]  # nothing stored yet
+    # nothing stored yet
+    assert [ds.entry_path(i).name for i in range(n)] == [k + disk_format.ENTRY_SUFFIX for k in keys]
     plants = [
         payload_pickle(marker),
         _torch_save_bytes(marker, tmp_path),
@@ -698,16 +700,16 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
             f.write(_torch_save_bytes(marker, tmp_path))
     # and a planted pack: well-formed records (right key tags, checksums, index) holding pickles, indexed as
     # written in the far future so that they outrank whatever real record is appended later
-    planted = os.path.join(cache, f"pack.{disk._HOST_TAG}.{2**22 + 1}.0")
-    records, index = b"", disk._index_header()
+    planted = os.path.join(cache, f"pack.{runtime.HOST_TAG}.{2**22 + 1}.0")
+    records, index = b"", disk_format.index_header()
     for i, content in enumerate(plants[2:] + [disk_entry(keys[0], _pickled_blob(marker))] * 2):
         key = keys[(i + 2) % n]
-        record_bytes = disk_entry(key, content[64:] if content[:8] == disk.DISK_MAGIC else content)
-        index += disk._index_record(disk.key_tag(key), len(records), len(record_bytes), 2**63)
+        record_bytes = disk_entry(key, content[64:] if content[:8] == disk_format.DISK_MAGIC else content)
+        index += disk_format.index_record(disk_format.key_tag(key), len(records), len(record_bytes), 2**63)
         records += record_bytes
-    with open(planted + disk.PACK_SUFFIX, "wb") as f:
+    with open(planted + disk_format.PACK_SUFFIX, "wb") as f:
         f.write(records)
-    with open(planted + disk.INDEX_SUFFIX, "wb") as f:
+    with open(planted + disk_format.INDEX_SUFFIX, "wb") as f:
         f.write(index)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -718,7 +720,7 @@ def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
         ds.flush()
     fresh = DiskStore(cache)
     for i in range(n):  # the planted files were replaced by real entries
-        assert not os.path.exists(os.path.join(cache, keys[i] + disk.ENTRY_SUFFIX))
+        assert not os.path.exists(os.path.join(cache, keys[i] + disk_format.ENTRY_SUFFIX))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a new reader meets the planted records first: reported, skipped
             got = fresh.get(keys[i])

@@ -27,9 +27,10 @@ import warnings
 import pytest
 import torch
 
-from monai_cache import codec, disk
+from monai_cache import codec, disk_format, runtime
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import DiskStore, read_entry
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
 from monai_cache.utils import OFDLock
@@ -140,7 +141,7 @@ class DiskTarget:
         self.seen: set[str] = set()
         self.reader = self.build()
         self.keys = [self.reader._entry_key(self.reader.data[i]) for i in range(N_ITEMS)]
-        self.paths = [os.path.join(cache_dir, key + disk.ENTRY_SUFFIX) for key in self.keys]
+        self.paths = [os.path.join(cache_dir, key + disk_format.ENTRY_SUFFIX) for key in self.keys]
 
     def build(self) -> PersistentDataset:
         return PersistentDataset(sized_data(self.sizes), MakeItem(), cache_dir=self.cache_dir)
@@ -148,7 +149,7 @@ class DiskTarget:
     def invalidate(self) -> None:
         """Delete the entry files and the packs (with their indexes): every entry must be written again."""
         for name in os.listdir(self.cache_dir):
-            if name.endswith(disk.ENTRY_SUFFIX) or disk.is_pack_file(name):
+            if name.endswith(disk_format.ENTRY_SUFFIX) or disk_format.is_pack_file(name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.cache_dir, name))
 
@@ -160,13 +161,14 @@ class DiskTarget:
             if n.endswith(".tmp") and n.split(".")[3].isdigit() and gone(int(n.split(".")[3]))
         }
         for name in os.listdir(self.cache_dir):
-            if not (name.endswith(disk.INDEX_SUFFIX) and disk.is_pack_file(name)) or not gone(int(name.split(".")[2])):
+            index_of_dead = name.endswith(disk_format.INDEX_SUFFIX) and disk_format.is_pack_file(name)
+            if not index_of_dead or not gone(int(name.split(".")[2])):
                 continue
             index = os.path.join(self.cache_dir, name)
             with contextlib.suppress(FileNotFoundError):
-                records, pos, torn = disk.read_index(index)
+                records, pos, torn = disk_format.read_index(index)
                 end = max((o + n for _, o, n, _, _ in records), default=0)
-                pack = index[: -len(disk.INDEX_SUFFIX)] + disk.PACK_SUFFIX
+                pack = index[: -len(disk_format.INDEX_SUFFIX)] + disk_format.PACK_SUFFIX
                 if torn or os.path.getsize(index) > pos or os.path.getsize(pack) > end:
                     new.add(name)
         new -= self.seen
@@ -183,7 +185,7 @@ class DiskTarget:
             if where is None:
                 continue
             try:
-                got = disk.read_packed(where) if where.packed else read_entry(where.path)
+                got = disk_format.read_packed(where) if where.packed else read_entry(where.path)
             except FileNotFoundError:
                 continue  # removed meanwhile (a new rank's invalidation)
             except codec.CorruptEntryError as e:
@@ -198,7 +200,7 @@ class DiskTarget:
         return accepted, problems
 
     def state(self) -> dict:
-        entries = list(disk.stored_entries(self.cache_dir))
+        entries = list(disk_format.stored_entries(self.cache_dir))
         return {"files": sum(not e.packed for e in entries), "packed_entries": sum(e.packed for e in entries)}
 
     def release(self) -> None:
@@ -352,7 +354,7 @@ def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
     names = os.listdir(cache_dir)
     # nothing but entry files of these items, and packs with their indexes (no temporary file left)
     expected_files = {os.path.basename(p) for p in target.paths}
-    assert all(n in expected_files or disk.is_pack_file(n) for n in names), names
+    assert all(n in expected_files or disk_format.is_pack_file(n) for n in names), names
     accepted, problems = target.check()
     assert accepted == N_ITEMS and not problems, problems
     record("kills/disk", store="disk", **figures, temp_files_left_by_kills=temp_left, temp_files_after_next_run=0,
@@ -363,7 +365,7 @@ def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
 
 
 def _leave_a_temp_file(directory: str) -> None:
-    with open(os.path.join(directory, f".somekey.{disk._HOST_TAG}.{os.getpid()}.w0.tmp"), "wb") as f:
+    with open(os.path.join(directory, f".somekey.{runtime.HOST_TAG}.{os.getpid()}.w0.tmp"), "wb") as f:
         f.write(b"half an entry")
     os._exit(0)  # as if killed mid-write; its parent has not reaped it yet
 
@@ -379,7 +381,7 @@ def test_sweep_removes_the_temporary_file_of_a_dead_unreaped_writer(tmp_path):
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
             time.sleep(0.01)
-        assert disk.sweep_temp_files(str(tmp_path)) == 1
+        assert len(runtime.sweep_temp_files(str(tmp_path))) == 1
     finally:
         os.waitpid(pid, 0)
 
