@@ -337,7 +337,7 @@ with warnings.catch_warnings(record=True) as w:
     v = s.get_or_compute(0, lambda: x); v2 = s.get_or_compute(1, lambda: x)
 full = [m for m in w if "is full" in str(m.message)]
 print(json.dumps({"warnings": len(full), "returned": bool(torch.equal(v["image"], x["image"])),
-                  "entries": s.stats()["machine"]["entries"]}))
+                  "entries": s.stats()["stored"]["entries"]}))
 s.release()
 """
     env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")

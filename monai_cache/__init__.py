@@ -19,23 +19,44 @@ _EXPORTS = {
     "PersistentDataset": "monai_cache.persistent",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
-    "CorruptEntryError": "monai_cache.codec",
-    "UnsupportedValueError": "monai_cache.codec",
+    "DiskStore": "monai_cache.disk",
+    "CorruptEntryError": "monai_cache.errors",
+    "UnsupportedValueError": "monai_cache.errors",
+    "MonaiCacheWarning": "monai_cache.errors",
+    "CacheFullWarning": "monai_cache.errors",
+    "CorruptEntryWarning": "monai_cache.errors",
+    "UncachedItemWarning": "monai_cache.errors",
+    "CacheUnavailableWarning": "monai_cache.errors",
 }
 
 __all__ = [
     "CacheDataset",
+    "CacheFullWarning",
+    "CacheUnavailableWarning",
     "CorruptEntryError",
+    "CorruptEntryWarning",
+    "DiskStore",
+    "MonaiCacheWarning",
     "PersistentDataset",
     "SharedMemoryStore",
     "ShardedDistributedSampler",
+    "UncachedItemWarning",
     "UnsupportedValueError",
     "__version__",
 ]
 
 if TYPE_CHECKING:
-    from monai_cache.codec import CorruptEntryError, UnsupportedValueError
     from monai_cache.dataset import CacheDataset
+    from monai_cache.disk import DiskStore
+    from monai_cache.errors import (
+        CacheFullWarning,
+        CacheUnavailableWarning,
+        CorruptEntryError,
+        CorruptEntryWarning,
+        MonaiCacheWarning,
+        UncachedItemWarning,
+        UnsupportedValueError,
+    )
     from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore

@@ -84,14 +84,13 @@ def _attached_pids(paths: Sequence[str]) -> dict[str, list[int]]:
 
 
 def _shm_caches(shm_dir: str | None) -> list[dict[str, Any]]:
-    """:func:`monai_cache.shm.list_caches` plus ``processes`` (pids attached) and ``ours`` (has our stats file)."""
-    from monai_cache.shm import _STATS_MAGIC, _stats_magic, list_caches
+    """:func:`monai_cache.shm_directory.list_caches` plus ``processes`` (the pids attached)."""
+    from monai_cache.shm_directory import list_caches
 
     caches = list_caches(shm_dir)
     pids = _attached_pids([c["path"] for c in caches])
     for c in caches:
         c["processes"] = pids.get(c["path"], [])
-        c["ours"] = _stats_magic(os.path.join(c["path"], "stats")) == _STATS_MAGIC
     return caches
 
 
@@ -193,7 +192,7 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _clear_run(args: argparse.Namespace) -> int:
     from monai_cache import disk_format
-    from monai_cache.shm import remove_cache
+    from monai_cache.shm_directory import remove_cache
     from monai_cache.utils import format_bytes
 
     if args.cache_dir is not None:

@@ -21,6 +21,7 @@ from monai.transforms import Compose
 
 from monai_cache import __version__, codec
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
+from monai_cache.runtime import COUNTERS, cache_stats
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -333,21 +334,22 @@ class CacheDataset(_MonaiCacheDataset):
         return data
 
     # -- bookkeeping --
-    def cache_stats(self) -> dict[str, dict[str, int]]:
-        """Cache counters: ``{"process": {...}, "machine": {...}}``.
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        """Cache counters: ``{"process": {...}, "total": {...}, "stored": {"entries", "bytes"}}``, the shape every
+        dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
-        ``process`` holds this process's ``hits``, ``misses`` (entries it computed), ``bytes_read``,
-        ``bytes_written``, ``skipped`` (items not stored: no room left, or a value the codec cannot store)
-        and ``corrupt`` (damaged entries removed); in a DataLoader worker these are the worker's own.
-        ``machine`` is shared by every process using the same shared-memory cache: ``bytes`` and
-        ``entries`` held, ``hits``, ``misses``, ``skipped``, ``corrupt``. With a private cache
-        (``shared_memory=False``), both hold this process's ``hits``, ``misses`` and ``entries``.
+        ``process`` counts this process (in a DataLoader worker: the worker); ``total`` is shared by every process
+        of the machine using the same shared-memory cache; ``stored`` is what the cache holds. With a private
+        cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
+        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes.
         """
         if isinstance(self._cache, SharedMemoryStore):
             return self._cache.stats()
-        counts = dict(self._counts)
-        counts["entries"] = sum(1 for i in range(len(self._cache)) if self._cache[i] is not None)
-        return {"process": counts, "machine": dict(counts)}
+        counts = dict.fromkeys(COUNTERS, 0)
+        counts.update(self._counts)
+        held = [self._cache[i] for i in range(len(self._cache))]
+        held = [item for item in held if item is not None]
+        return cache_stats(counts, counts, len(held), sum(codec.item_nbytes(item) for item in held))
 
     def release(self) -> None:
         """Stop using the shared-memory cache now (it is removed if this was its last user)."""

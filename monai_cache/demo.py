@@ -359,7 +359,7 @@ def rank_main(spec_path: str) -> None:
     stats = dataset.cache_stats() if hasattr(dataset, "cache_stats") else None
     one_copy = None
     if stats is not None:
-        one_copy = stats["machine"].get("bytes")
+        one_copy = stats["stored"]["bytes"]
     elif config.cached and not config.runtime_cache:
         one_copy = sum(_nbytes(item) for item in dataset._cache)
     result = {
@@ -719,7 +719,7 @@ def summarize_run(
     setup_cpu = sum(r["cpu_setup"]["self"] - r["cpu_start"]["self"] for r in ranks)
     stats = next((r["stats"] for r in ranks if r["stats"] is not None), None)
     if stats is not None:  # monai_cache: the machine-wide counters
-        hits, misses = int(stats["machine"]["hits"]), int(stats["machine"]["misses"])
+        hits, misses = int(stats["total"]["hits"]), int(stats["total"]["misses"])
     elif config.cached:  # MONAI: every read not computed during the epochs was served from the cache
         hits, misses = int(reads - computes["computes_epoch"]), int(computes["computes"])
     else:

@@ -37,7 +37,6 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from monai_cache import codec
@@ -144,21 +143,6 @@ def prepare_cache_dir(path: str | os.PathLike) -> str | None:
     except OSError as e:
         return f"cannot write files in the cache directory {path!r}: {e.strerror or e}"
     return None
-
-
-def _nbytes(item: Any, depth: int = 0) -> int:
-    """Bytes of the tensors and arrays in ``item`` (as they are in memory)."""
-    if isinstance(item, torch.Tensor):
-        return item.element_size() * item.numel()
-    if isinstance(item, np.ndarray):
-        return int(item.nbytes)
-    if depth > 64:
-        return 0
-    if isinstance(item, Mapping):
-        return sum(_nbytes(v, depth + 1) for v in item.values())
-    if isinstance(item, (list, tuple)):
-        return sum(_nbytes(v, depth + 1) for v in item)
-    return 0
 
 
 class DiskStore:
@@ -537,7 +521,7 @@ class DiskStore:
             return
         if self._writer.get(key) is not None:
             return
-        raw = _nbytes(item)
+        raw = codec.item_nbytes(item)
         enc = self._encode(key, item)
         if enc is None:
             return
@@ -579,7 +563,7 @@ class DiskStore:
         reservation = None if enc is None else self._reserve(key, enc, replace=True)
         if enc is None or reservation is None:
             return False
-        self._write_encoded(key, enc, _nbytes(item), reservation)
+        self._write_encoded(key, enc, codec.item_nbytes(item), reservation)
         self._publish()
         return self._exists(key)
 

@@ -33,7 +33,9 @@ from typing import Any
 
 __all__ = [
     "COUNTERS",
+    "COUNTERS_SIZE",
     "HOST_TAG",
+    "SLOTS_AT",
     "OFDLock",
     "SharedCounters",
     "fallocate",
@@ -261,10 +263,11 @@ def _with_ratio(counts: Mapping[str, int]) -> dict[str, Any]:
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
-_COUNTERS_SIZE = 4096
+COUNTERS_SIZE = 4096
 _FLAGS_AT = 8
 _FIELDS_AT = 16
-_SLOTS_AT = 512  # per-process slots of (hits, bytes_read) from here to the end
+SLOTS_AT = 512
+"""Per-process slots of (hits, bytes_read), 16 bytes each, from here to the end of a counters mapping."""
 _SLOT = struct.Struct("<QQ")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
 
@@ -293,7 +296,7 @@ class SharedCounters:
                  "_open_fds", "_path", "_slot", "_slot_pid", "_thread_lock_pid")
 
     def __init__(self, fields: Sequence[str], path: str | None = None, magic: int = 0) -> None:
-        if _FIELDS_AT + 8 * len(fields) > _SLOTS_AT:
+        if _FIELDS_AT + 8 * len(fields) > SLOTS_AT:
             raise ValueError(f"too many counters: {len(fields)}")
         self._fields = tuple(fields)
         self._offsets = {name: _FIELDS_AT + 8 * i for i, name in enumerate(self._fields)}
@@ -307,8 +310,8 @@ class SharedCounters:
         if path is None:
             self._memfd = os.memfd_create("monai_cache-counters", os.MFD_CLOEXEC)
             self._open_fds.append(self._memfd)
-            os.ftruncate(self._memfd, _COUNTERS_SIZE)
-            self._map = mmap.mmap(self._memfd, _COUNTERS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(self._memfd, COUNTERS_SIZE)
+            self._map = mmap.mmap(self._memfd, COUNTERS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             _U64.pack_into(self._map, 0, magic)
         else:
             self._map = self._map_file(path)
@@ -323,19 +326,19 @@ class SharedCounters:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                if os.fstat(fd).st_size < _COUNTERS_SIZE:
+                if os.fstat(fd).st_size < COUNTERS_SIZE:
                     # Allocate the page now: a sparse one would raise SIGBUS at its first write on a full tmpfs.
-                    fallocate(fd, 0, _COUNTERS_SIZE)
-                    if os.fstat(fd).st_size < _COUNTERS_SIZE:  # (file systems without fallocate)
-                        os.ftruncate(fd, _COUNTERS_SIZE)
-                return mmap.mmap(fd, _COUNTERS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    fallocate(fd, 0, COUNTERS_SIZE)
+                    if os.fstat(fd).st_size < COUNTERS_SIZE:  # (file systems without fallocate)
+                        os.ftruncate(fd, COUNTERS_SIZE)
+                return mmap.mmap(fd, COUNTERS_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:
                 if e.errno not in _NO_SPACE:
                     raise
                 # Shared memory is full before anything is stored: count in private memory; the first
                 # write will fail for the same reason and warn once that items are served uncached.
                 self._path = None
-                private = mmap.mmap(-1, _COUNTERS_SIZE)
+                private = mmap.mmap(-1, COUNTERS_SIZE)
                 _U64.pack_into(private, 0, self._magic)
                 return private
         finally:
@@ -422,7 +425,7 @@ class SharedCounters:
         self._slot_pid = os.getpid()
         if fd < 0:
             return
-        for off in range(_SLOTS_AT, _COUNTERS_SIZE, _SLOT.size):
+        for off in range(SLOTS_AT, COUNTERS_SIZE, _SLOT.size):
             if ofd_lock(fd, off, blocking=False):
                 self._slot = off
                 return
@@ -439,7 +442,7 @@ class SharedCounters:
     def reset(self) -> None:
         """Zero every counter, flag and slot, and write the layout's magic."""
         with self._locked():
-            self._map[:] = bytes(_COUNTERS_SIZE)
+            self._map[:] = bytes(COUNTERS_SIZE)
             _U64.pack_into(self._map, 0, self._magic)
 
     def snapshot(self) -> dict[str, int]:
@@ -467,16 +470,17 @@ def _close_fds(fds: list[int]) -> None:
     fds.clear()
 
 
-def unpack_counters(raw: bytes | mmap.mmap, fields: Sequence[str]) -> dict[str, int]:
-    """The counters of a :class:`SharedCounters` layout read from ``raw`` (its 4 KiB), slots summed.
+def unpack_counters(raw: bytes | mmap.mmap, fields: Sequence[str], slots: bool = True) -> dict[str, int]:
+    """The counters of a :class:`SharedCounters` layout read from ``raw`` (its 4 KiB).
 
     Args:
         raw: the mapping or the file's bytes.
         fields: the counter names in layout order.
+        slots: add the per-process slots to ``hits`` and ``bytes_read`` (False: the shared fields alone).
     """
     out = {name: _I64.unpack_from(raw, _FIELDS_AT + 8 * i)[0] for i, name in enumerate(fields)}
-    if len(raw) >= _COUNTERS_SIZE:
-        for off in range(_SLOTS_AT, _COUNTERS_SIZE, _SLOT.size):
+    if slots and len(raw) >= COUNTERS_SIZE:
+        for off in range(SLOTS_AT, COUNTERS_SIZE, _SLOT.size):
             hits, nread = _SLOT.unpack_from(raw, off)
             if "hits" in out:
                 out["hits"] += hits
@@ -494,7 +498,7 @@ def read_counters(path: str, fields: Sequence[str]) -> tuple[int, dict[str, int]
     """
     try:
         with open(path, "rb") as f:
-            raw = f.read(_COUNTERS_SIZE)
+            raw = f.read(COUNTERS_SIZE)
     except OSError:
         return None
     if len(raw) < _FIELDS_AT + 8 * len(fields):

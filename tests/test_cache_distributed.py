@@ -50,8 +50,8 @@ def test_two_gloo_ranks_compute_each_item_once_on_the_machine(shm_dir, volumes, 
     seen = sorted(case for r in results for case in r["seen"])
     assert seen == sorted(list(range(len(volumes))) * 2)  # 2 epochs, every item once per epoch
     assert results[0]["path"] == results[1]["path"]
-    assert results[0]["machine"]["misses"] == len(volumes)
-    assert results[0]["machine"]["entries"] == len(volumes)
+    assert results[0]["total"]["misses"] == len(volumes)
+    assert results[0]["stored"]["entries"] == len(volumes)
     assert not os.path.exists(results[0]["path"])  # the last rank to exit removed the cache
     assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
 

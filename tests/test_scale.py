@@ -125,8 +125,8 @@ def test_fds_and_maps_bounded_in_main_process(filled):
     ds = filled["ds"]
     store = ds._cache
     assert isinstance(store, SharedMemoryStore)
-    assert store.stats()["machine"]["entries"] == N
-    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES  # the images themselves are cached
+    assert store.stats()["stored"]["entries"] == N
+    assert store.stats()["stored"]["bytes"] >= N * ITEM_BYTES  # the images themselves are cached
     for i in range(N):  # read every item, dropping it (as a training loop does)
         x = ds[i]["image"]
         assert x.shape == (1, 64, 64)
@@ -182,7 +182,7 @@ def test_items_held_alive_hold_no_descriptor(filled):
 def test_shm_overhead_per_16k_entry(filled):
     store = filled["ds"]._cache
     used = blocks_bytes(store.path)
-    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES
+    assert store.stats()["stored"]["bytes"] >= N * ITEM_BYTES
     overhead = used / (N * ITEM_BYTES) - 1
     print(f"\nshm: {used} bytes for {N} x {ITEM_BYTES}: overhead {overhead:.2%}")
     assert overhead <= MAX_OVERHEAD
@@ -356,7 +356,7 @@ def test_budget_smaller_than_one_item_skips_it_with_one_warning(shm_dir):
         assert len(full) == 1, [str(w.message) for w in caught]
         for i, item in enumerate(items):
             assert torch.equal(item["image"], Big()({"i": i})["image"])
-        stats = ds.cache_stats()["machine"]
-        assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["skipped"] >= 3
+        stats = ds.cache_stats()
+        assert stats["stored"] == {"entries": 0, "bytes": 0} and stats["total"]["skipped"] >= 3
     finally:
         ds.release()

@@ -102,7 +102,7 @@ def test_many_processes_share_one_shared_memory_cache(shm_dir, tmp_path):
     reads = sum(r["reads"] for r in results)
     wrong = sum(r["wrong"] for r in results)
     assert wrong == 0, [r["problems"] for r in results if r["problems"]]
-    machine = watcher.cache_stats()["machine"]
+    machine = watcher.cache_stats()["total"]
     assert machine["corrupt"] == 0
     hits = sum(r["stats"]["hits"] for r in results)
     misses = sum(r["stats"]["misses"] for r in results)

@@ -31,13 +31,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monai_cache import disk_format, runtime
+from monai_cache import codec, disk_format, runtime
 from monai_cache.codec import CorruptEntryError, decode, encode
 from monai_cache.dataset import CacheDataset
 from monai_cache.disk import MISSING, DiskStore
 from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
-from monai_cache.shm import SharedMemoryStore, blob_tag
+from monai_cache.shm import SharedMemoryStore
+from monai_cache.shm_directory import entry_tag
 
 from ._fuzzing import (
     Payload,
@@ -361,6 +362,11 @@ def test_atheris_bounded_run(tmp_path):
 
 
 # ------------------------------------------------------------------------ shared-memory index slots
+def blob_tag(blob: bytes, i: int) -> int:
+    """The tag an honest writer gives entry ``i`` holding ``blob``."""
+    return entry_tag(codec.blob_identity(blob), i)
+
+
 def plant_slot(cache: str, i: int, seg: int, offset: int, length: int, tag: int) -> None:
     """Write index slot ``i`` of the cache directory ``cache`` as docs/shared-memory.md lays it out (32 bytes):
     segment and tag (u32), offset and length (u64), 4 reserved bytes, then the CRC-32 of those 28 bytes
@@ -634,7 +640,7 @@ def test_planted_pickles_in_shared_memory_are_never_executed(shm_dir, tmp_path):
         for i in range(n):
             assert store[i] is None
             assert item_problem(store.get_or_compute(i, lambda i=i: make_item(i, 64)), i, 64) is None
-    assert store.stats()["machine"]["corrupt"] == n
+    assert store.stats()["total"]["corrupt"] == n
     store.release()
     assert not os.path.exists(marker)
 

@@ -32,8 +32,8 @@ from monai_cache.dataset import CacheDataset
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
+from monai_cache.runtime import OFDLock
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
-from monai_cache.utils import OFDLock
 
 from ._harness import (
     MakeItem,
@@ -50,6 +50,12 @@ from ._harness import (
 )
 
 FORK = multiprocessing.get_context("fork")
+
+
+def _temp_of(name: str, pid: int) -> bool:
+    """Whether ``name`` is a temporary file written by process ``pid``."""
+    owner = runtime.temp_owner(name)
+    return owner is not None and owner[1] == pid
 TRIALS = env_int("MONAI_CACHE_RELIABILITY_TRIALS", 100)
 SEED = env_int("MONAI_CACHE_RELIABILITY_SEED", 20_240)
 N_ITEMS = 12
@@ -83,8 +89,8 @@ class ShmTarget:
         self.store.clear()
 
     def dead_temp_files(self) -> set[str]:
-        """Large entries that killed processes left half written (``.tmp.<pid>.<tid>.<n>``)."""
-        return {n for n in os.listdir(self.store.path) if n.startswith(".tmp.") and gone(int(n.split(".")[2]))}
+        """Large entries that killed processes left half written (``runtime.temp_name``)."""
+        return {n for n in os.listdir(self.store.path) if (o := runtime.temp_owner(n)) is not None and gone(o[1])}
 
     def mid_write(self) -> bool:
         """Whether this kill left a large entry half written."""
@@ -106,7 +112,7 @@ class ShmTarget:
                 problems.append(problem)
             if self.verifier[i] is None:  # only this process clears entries: None means it failed the check
                 problems.append(f"entry {i} accepted by the reader fails the data checksum")
-        corrupt = self.store.stats()["machine"]["corrupt"]
+        corrupt = self.store.stats()["total"]["corrupt"]
         if corrupt:
             problems.append(f"{corrupt} corrupt entries were found and removed")
         return accepted, problems
@@ -116,7 +122,7 @@ class ShmTarget:
         (segments of killed writers stay until the cache is removed), segment files."""
         names = os.listdir(self.store.path)
         dead = self.dead_temp_files()
-        return {"accounted_bytes": self.store.stats()["machine"]["bytes"],
+        return {"accounted_bytes": self.store.stats()["stored"]["bytes"],
                 "allocated_bytes": tree_bytes(self.store.path), "segments": sum(n.startswith("s.") for n in names),
                 "dead_temp_files_in_live_cache": len(dead),
                 "dead_temp_bytes_in_live_cache": sum(os.stat(os.path.join(self.store.path, n)).st_blocks * 512
@@ -154,12 +160,16 @@ class DiskTarget:
                     os.unlink(os.path.join(self.cache_dir, name))
 
     def mid_write(self) -> bool:
-        """Whether this kill left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``) or a record half
-        appended (a pack of a dead writer with bytes after its last indexed record, or a torn index record)."""
-        new = {
-            n for n in os.listdir(self.cache_dir)
-            if n.endswith(".tmp") and n.split(".")[3].isdigit() and gone(int(n.split(".")[3]))
-        }
+        """Whether this kill left a file written into but not published (a temporary file, ``runtime.temp_name``,
+        with bytes in it; one still empty was only reserved) or a record half appended (a pack of a dead writer
+        with bytes after its last indexed record, or a torn index record)."""
+        new = set()
+        for n in os.listdir(self.cache_dir):
+            owner = runtime.temp_owner(n)
+            if owner is not None and gone(owner[1]):
+                with contextlib.suppress(FileNotFoundError):
+                    if os.path.getsize(os.path.join(self.cache_dir, n)) > 0:
+                        new.add(n)
         for name in os.listdir(self.cache_dir):
             index_of_dead = name.endswith(disk_format.INDEX_SUFFIX) and disk_format.is_pack_file(name)
             if not index_of_dead or not gone(int(name.split(".")[2])):
@@ -341,14 +351,14 @@ def wait_reaped(pids: list[int], timeout: float = 30.0) -> None:
 
 
 def temp_file_pids(directory: str) -> list[int]:
-    return [int(n.split(".")[3]) for n in os.listdir(directory) if n.endswith(".tmp") and n.split(".")[3].isdigit()]
+    return [owner[1] for n in os.listdir(directory) if (owner := runtime.temp_owner(n)) is not None]
 
 
 def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
     cache_dir = str(tmp_path / "cache")
     target = DiskTarget(cache_dir)
     figures = run_kill_trials(target, TRIALS, SEED + 1)
-    temp_left = sum(n.endswith(".tmp") for n in os.listdir(cache_dir))
+    temp_left = sum(runtime.temp_owner(n) is not None for n in os.listdir(cache_dir))
     wait_reaped(temp_file_pids(cache_dir))
     run_final(target)  # a new PersistentDataset sweeps the killed writers' temporary files
     names = os.listdir(cache_dir)
@@ -403,18 +413,18 @@ def test_partial_entry_of_a_killed_writer_is_reclaimed_when_a_kept_cache_is_join
         p.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if os.path.isdir(path) and any(n.startswith(f".tmp.{p.pid}.") for n in os.listdir(path)):
+            if os.path.isdir(path) and any(_temp_of(n, p.pid) for n in os.listdir(path)):
                 break
             time.sleep(0.0005)
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
-        left = [n for n in os.listdir(path) if n.startswith(f".tmp.{p.pid}.")]
+        left = [n for n in os.listdir(path) if _temp_of(n, p.pid)]
         if left:
             break
     assert left, "no kill landed during a write"
     store = SharedMemoryStore("kept", 1, shm_dir=shm_dir, keep_warm=True)  # the next run joins the kept cache
     try:
-        remaining = [n for n in os.listdir(path) if n.startswith(".tmp.")]
+        remaining = [n for n in os.listdir(path) if runtime.temp_owner(n) is not None]
         assert remaining == [], f"partial entries of killed writers left in shared memory: {remaining}"
     finally:
         store.release()
