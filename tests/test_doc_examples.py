@@ -89,7 +89,7 @@ def _parse_marker(text: str, example: Example) -> None:
 def extract_examples(path: Path) -> list[Example]:
     """The ```` ```python ```` blocks of a Markdown file, with the marker of the line before each, in order."""
     lines = path.read_text().splitlines()
-    rel = str(path.relative_to(REPO))
+    rel = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
     examples = []
     marked_at: dict[int, str] = {}  # line index of a marker -> its text
     for i, line in enumerate(lines):
@@ -127,6 +127,38 @@ def test_examples_were_found():
     files = {e.file for e in EXAMPLES}
     assert {"README.md", "docs/index.md", "docs/distributed.md", "docs/sampler.md"} <= files, files
     assert any(e.mode == "command" and e.command.startswith("torchrun") for e in EXAMPLES)
+
+
+def _runner_input(examples: list[Example]) -> str:
+    """The examples as tests/_scripts/run_doc_examples.py reads them."""
+    return json.dumps([{"id": e.id, "file": e.file, "fence_line": e.fence_line, "code": e.code,
+                        "continues": e.mode == "continues"} for e in examples])  # fmt: skip
+
+
+def test_markers_and_failures_name_the_file_and_line(tmp_path):
+    """The conventions above, on a small Markdown file: markers, continuing blocks, a failure's file and line."""
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "Text.\n\n```python\nx = 1\n```\n\n<!-- example: continues -->\n```python\ny = x + 1\nassert y == 3\n```\n"
+        "- item\n\n    <!-- example: run as: torchrun --nproc-per-node=2 train.py -->\n"
+        "    ```python\n    import os\n    ```\n"
+        "<!-- example: skip -->\n```python\npass\n```\n<!-- example: maybe -->\n```python\npass\n```\n"
+        "<!-- example: continues -->\ntext\n"
+    )  # fmt: skip
+    found = extract_examples(doc)
+    assert [(e.fence_line, e.mode, e.command) for e in found] == [
+        (26, "run", ""), (3, "run", ""), (8, "continues", ""),
+        (15, "command", "torchrun --nproc-per-node=2 train.py"), (19, "skip", ""), (23, "run", ""),
+    ]  # fmt: skip
+    assert found[3].code == "import os\n"  # an indented block loses its indentation
+    assert "must come right before" in found[0].error and "needs a reason" in found[4].error
+    assert "unknown example marker 'maybe'" in found[5].error
+    (tmp_path / "examples.json").write_text(_runner_input(found[1:3]))
+    subprocess.run([sys.executable, str(RUNNER), "examples.json", "results.json"], cwd=tmp_path, check=True,
+                   capture_output=True)  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["page.md:3"] is None  # the continuing block saw x, and failed on its own line
+    assert 'File "page.md", line 10' in results["page.md:8"] and "AssertionError" in results["page.md:8"]
 
 
 def _environment(shm_dir: str) -> dict[str, str]:
@@ -183,9 +215,7 @@ def runs(tmp_path_factory, shm_dir):
     started: dict[str, Run] = {}
     plain = [e for e in EXAMPLES if e.mode in ("run", "continues") and not e.error]
     work = tmp_path_factory.mktemp("doc-examples")
-    payload = [{"id": e.id, "file": e.file, "fence_line": e.fence_line, "code": e.code,
-                "continues": e.mode == "continues"} for e in plain]  # fmt: skip
-    (work / "examples.json").write_text(json.dumps(payload))
+    (work / "examples.json").write_text(_runner_input(plain))
     started["plain"] = _start([sys.executable, str(RUNNER), "examples.json", "results.json"], work, shm_dir)
     for example in EXAMPLES:
         if example.mode != "command" or example.error:
@@ -236,7 +266,8 @@ def test_documented_example_runs(example: Example, runs, plain_results):
 def test_lightning_example_shares_one_cache_between_two_ddp_ranks(runs):
     """The Lightning example of docs/distributed.md, started with ``python train.py`` as written: Lightning
     starts the second rank (without LOCAL_WORLD_SIZE), and ``shard_by="node"`` finds both ranks on this machine."""
-    pytest.importorskip("lightning", reason="lightning is not installed (it is in the test extras)")
+    if not importlib.util.find_spec("lightning"):
+        pytest.skip("lightning is not installed (it is in the test extras: pip install -e '.[test]')")
     (example,) = [e for e in EXAMPLES if e.file == "docs/distributed.md" and e.command == "python train.py"]
     assert 'strategy="ddp", accelerator="cpu", devices=2' in example.code
     code, out = runs[example.id].wait()
