@@ -1,6 +1,7 @@
 """One rank of a simulated two-node job: each "node" has its own shared-memory directory.
 
-Env: torchrun's variables plus MONAI_CACHE_SHM_DIR (the node's /dev/shm). argv: data.json epochs
+Env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, MONAI_CACHE_SHM_DIR (the node's /dev/shm) and
+MONAI_CACHE_NODE_ID (the node's identity). argv: data.json epochs
 Prints one JSON line: the indices this rank read per epoch and the node cache's counters after each epoch.
 """
 
