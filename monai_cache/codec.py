@@ -142,6 +142,7 @@ class Encoded:
     data_offset: int
     nbytes: int
     borrowed: list[bool] = field(default_factory=list)  # per buffer: a view of the item's own memory
+    keepalive: list[Any] = field(default_factory=list)  # what the buffers point into (contiguous copies, casts)
     _data_crc: int | None = None
 
     def detach(self) -> Encoded:
@@ -155,7 +156,7 @@ class Encoded:
             return self
         buffers = [memoryview(bytearray(b)) if own else b for b, own in zip(self.buffers, self.borrowed)]
         out = Encoded(self.header, buffers, self.offsets, self.data_offset, self.nbytes, [False] * len(buffers))
-        out._keepalive = [getattr(self, "_keepalive", None)]  # type: ignore[attr-defined]
+        out.keepalive = [self.keepalive]
         return out
 
     def prefix(self, data_crc: bool = True) -> bytes:
@@ -437,7 +438,7 @@ def encode(
     data_offset = _align(PREFIX_SIZE + len(header))
     total = data_offset + (enc.size if enc.buffers else 0)
     out = Encoded(header, enc.buffers, enc.offsets, data_offset, total, enc.borrowed)
-    out._keepalive = enc.keepalive  # type: ignore[attr-defined]
+    out.keepalive = enc.keepalive
     return out
 
 
@@ -520,14 +521,15 @@ class _Decoder:
         return shape
 
     def _tensor(self, node: dict) -> torch.Tensor:
-        dtype = _TORCH_DTYPES.get(node.get("dt"))  # type: ignore[arg-type]
+        dtype = _TORCH_DTYPES.get(str(node.get("dt")))
         if dtype is None:
             raise CorruptEntryError(f"unknown torch dtype {node.get('dt')!r}")
         stored = dtype
         if "sd" in node:
-            stored = _TORCH_DTYPES.get(node["sd"])  # type: ignore[assignment]
-            if stored is None:
+            stored_dtype = _TORCH_DTYPES.get(str(node["sd"]))
+            if stored_dtype is None:
                 raise CorruptEntryError(f"unknown stored dtype {node['sd']!r}")
+            stored = stored_dtype
         shape = self._shape(node)
         perm = node.get("pm")
         if perm is not None:
@@ -625,7 +627,7 @@ class _Decoder:
         if tag == "c":
             return complex(self.node(node.get("r"), depth + 1), self.node(node.get("i"), depth + 1))
         if tag == "td":
-            dt = _TORCH_DTYPES.get(node.get("v"))  # type: ignore[arg-type]
+            dt = _TORCH_DTYPES.get(str(node.get("v")))
             if dt is None:
                 raise CorruptEntryError(f"unknown torch dtype {node.get('v')!r}")
             return dt

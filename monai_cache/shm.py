@@ -505,7 +505,11 @@ class SharedMemoryStore:
                 self._dir.counters.add({"entries": -1})
 
 
-def _attach(key, length, shm_dir, budget, allow_pickle, reserve, describe, verify) -> SharedMemoryStore:  # type: ignore[no-untyped-def]
+def _attach(
+    key: str, length: int, shm_dir: str, budget: int | None, allow_pickle: bool, reserve: int | None,
+    describe: Callable[[int], str] | None, verify: bool,
+) -> SharedMemoryStore:
+    """A spawned worker's store: the same cache, reopened (with a lease of its own)."""
     return SharedMemoryStore(
         key, length, shm_dir=shm_dir, budget=budget, allow_pickle=allow_pickle, reserve=reserve,
         describe=describe, verify=verify,

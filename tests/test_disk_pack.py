@@ -393,3 +393,15 @@ def test_pack_format_matches_the_documented_spec(tmp_path):
     assert tag == hashlib.sha256(b"k2").digest()[:16] and stored_len == length - 64 and crc == zlib.crc32(raw[64:])
     blob = zstandard.ZstdDecompressor().decompress(raw[64:], max_output_size=blob_len)
     assert len(blob) == blob_len and blob[:8] == b"MCACHE\x00\x01"
+
+
+def test_location_of_a_packed_entry_is_complete_enough_to_remove_it(tmp_path):
+    store = DiskStore(tmp_path, async_writes=False)
+    for key in ("k", "j"):
+        store.put(key, item_for(key))
+    where = store.location("k")
+    assert where is not None and where.packed and where.index_path is not None
+    disk_format.remove_packed(where)  # what `monai-cache verify --remove` does to a bad record
+    fresh = DiskStore(tmp_path, writable=False)
+    assert fresh.get("k") is MISSING
+    check(fresh.get("j"), "j")
