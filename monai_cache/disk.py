@@ -397,18 +397,30 @@ class DiskStore:
             self._count(misses=1)
             return MISSING
         try:
-            blob, size = read_blob(fd, key, loc.offset, loc.length)
-            item = codec.decode(blob, allow_pickle=self.allow_pickle)
+            return self._read_record(fd, path, key, loc.offset, loc.length)
         except CorruptEntryError as e:
             self._bad_record(key, loc, str(e))
             return _BAD
+
+    def _read_record(self, fd: int, path: str, key: str, offset: int = 0, length: int | None = None) -> Any:
+        """Read, check and decode the record at ``offset`` of ``fd`` (then closed), counted as a hit; on an I/O
+        error :data:`MISSING` (reported once, counted as a miss).
+
+        Raises:
+            CorruptEntryError: the record is damaged, foreign, or its decoding fails in any way (a crafted
+                record must never crash training).
+        """
+        try:
+            blob, size = read_blob(fd, key, offset, length)
+            item = codec.decode(blob, allow_pickle=self.allow_pickle)
+        except CorruptEntryError:
+            raise
         except OSError as e:
-            self._warn_io(f"cannot read cache pack {path}: {e.strerror or e}")
+            self._warn_io(f"cannot read cache file {path}: {e.strerror or e}")
             self._count(misses=1)
             return MISSING
-        except Exception as e:  # whatever a damaged or crafted record provokes in decoding: never crash training
-            self._bad_record(key, loc, f"cannot decode: {e!r}")
-            return _BAD
+        except Exception as e:
+            raise CorruptEntryError(f"cannot decode: {e!r}") from None
         finally:
             os.close(fd)
         self._count(hits=1, bytes_read=size)
@@ -440,27 +452,13 @@ class DiskStore:
                 self._warn_io(f"cannot open cache file {path}: {e.strerror or e}")
             self._count(misses=1)
             return MISSING
-        st = None
+        st = os.fstat(fd)
         try:
-            st = os.fstat(fd)
-            blob, size = read_blob(fd, key)
-            item = codec.decode(blob, allow_pickle=self.allow_pickle)
+            return self._read_record(fd, path, key)
         except CorruptEntryError as e:
             self._discard(key, path, st, str(e))
             self._count(misses=1)
             return MISSING
-        except OSError as e:
-            self._warn_io(f"cannot read cache file {path}: {e.strerror or e}")
-            self._count(misses=1)
-            return MISSING
-        except Exception as e:  # whatever a damaged or crafted file provokes in decoding: never crash training
-            self._discard(key, path, st, f"cannot decode: {e!r}")
-            self._count(misses=1)
-            return MISSING
-        finally:
-            os.close(fd)
-        self._count(hits=1, bytes_read=size)
-        return item
 
     def _discard(self, key: str, path: str, st: os.stat_result | None, why: str) -> None:
         """Move a bad file aside and remove it; whoever moves it reports it (once per entry and process)."""

@@ -282,11 +282,7 @@ class SharedMemoryStore:
         with OFDLock(self._dir.locks_path, i):
             if self._dir.read_slot(i) != slot:
                 return
-            self._dir.clear_slot(i)
-            if isinstance(slot, Slot) and slot.segment == STANDALONE:
-                self._dir.remove_entry_file(i)
-                self._dir.counters.add({"bytes": -slot.length})
-        self._dir.counters.add({"entries": -1})
+            self._dir.unpublish(i, slot)
         self._count(corrupt=1)
         if i not in self._reported:
             self._reported.add(i)
@@ -496,13 +492,8 @@ class SharedMemoryStore:
         for i in range(self._length):
             with OFDLock(self._dir.locks_path, i):
                 slot = self._dir.read_slot(i)
-                if slot is None:
-                    continue
-                self._dir.clear_slot(i)
-                if isinstance(slot, Slot) and slot.segment == STANDALONE:
-                    self._dir.remove_entry_file(i)
-                    self._dir.counters.add({"bytes": -slot.length})
-                self._dir.counters.add({"entries": -1})
+                if slot is not None:
+                    self._dir.unpublish(i, slot)
 
 
 def _attach(

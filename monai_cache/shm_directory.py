@@ -310,9 +310,14 @@ class CacheDirectory:
         head = _SLOT.pack(slot.segment, slot.tag, slot.offset, slot.length, 0, 0)[:-4]
         os.pwrite(self.index_fd, head + struct.pack("<I", zlib.crc32(head + i.to_bytes(8, "little"))), SLOT_SIZE * i)
 
-    def clear_slot(self, i: int) -> None:
-        """Unpublish entry ``i``."""
+    def unpublish(self, i: int, slot: Slot | _Corrupt) -> None:
+        """Remove entry ``i``, whose slot was ``slot`` (the caller holds its lock): clear the slot, remove its file
+        if it has one (a packed entry's bytes stay in the segment until the cache goes), count it gone."""
         os.pwrite(self.index_fd, _EMPTY_SLOT, SLOT_SIZE * i)
+        if isinstance(slot, Slot) and slot.segment == STANDALONE:
+            _unlink_quiet(self.entry_path(i))
+            self.counters.add({"bytes": -slot.length})
+        self.counters.add({"entries": -1})
 
     def empty_slots(self, n: int) -> list[int]:
         """Indices of the entries of ``range(n)`` not published (one read of the whole index)."""
@@ -386,10 +391,6 @@ class CacheDirectory:
         except BaseException:
             _unlink_quiet(tmp)
             raise
-
-    def remove_entry_file(self, i: int) -> None:
-        """Remove entry ``i``'s file (if any)."""
-        _unlink_quiet(self.entry_path(i))
 
     def space_left(self, reserve: int | None) -> tuple[int, int]:
         """``(bytes that may still be used, bytes free)`` on the tmpfs, leaving ``reserve`` (default: the smaller
