@@ -146,20 +146,7 @@ class CacheDataset(_MonaiCacheDataset):
         allow_pickle: bool = False,
         cache_key: str | None = None,
     ) -> None:
-        # Attributes a subclass set before calling this __init__ may change what _load_cache_item computes:
-        # they are part of the cache's fingerprint.
-        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
-        # Set before MONAI's __init__, which calls set_data(). None of these is randomizable, so MONAI's
-        # worker seeding (set_rnd walks __dict__ in order) gives the transforms the same seeds as in MONAI.
-        self.shared_memory = shared_memory
-        self.shm_dir = shm_dir
-        self.shm_budget = shm_budget
-        self.keep_warm = keep_warm
-        self.allow_pickle = allow_pickle
-        self.cache_key = cache_key
-        self._hash_index: dict[bytes, int] = {}
-        self._cache_data_index = np.zeros(0, dtype=np.int64)
-        self._counts = {"hits": 0, "misses": 0}
+        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
         super().__init__(
             data=data,
             transform=transform,
@@ -175,6 +162,33 @@ class CacheDataset(_MonaiCacheDataset):
         )
 
     # -- setting up the cache --
+    def _init_shared_memory(
+        self,
+        shared_memory: bool,
+        shm_dir: str | None,
+        shm_budget: int | str | None,
+        keep_warm: bool,
+        allow_pickle: bool,
+        cache_key: str | None,
+    ) -> None:
+        """Our options, set before MONAI's ``CacheDataset.__init__`` (which calls :meth:`set_data`). Subclasses
+        whose MONAI counterpart calls ``monai.data.CacheDataset.__init__`` by name (MONAI's apps datasets) call
+        this first themselves."""
+        # Attributes a subclass set before this may change what _load_cache_item computes: they are part of the
+        # cache's fingerprint.
+        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
+        # None of these is randomizable, so MONAI's worker seeding (set_rnd walks __dict__ in order) gives the
+        # transforms the same seeds as in MONAI.
+        self.shared_memory = shared_memory
+        self.shm_dir = shm_dir
+        self.shm_budget = shm_budget
+        self.keep_warm = keep_warm
+        self.allow_pickle = allow_pickle
+        self.cache_key = cache_key
+        self._hash_index: dict[bytes, int] = {}
+        self._cache_data_index = np.zeros(0, dtype=np.int64)
+        self._counts = {"hits": 0, "misses": 0}
+
     def _in_shared_memory(self) -> bool:
         return bool(self.shared_memory) and (
             self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)

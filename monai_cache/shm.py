@@ -484,16 +484,29 @@ class SharedMemoryStore:
         self._released = True
         self._finalizer()
 
+    def remove(self, index: int) -> bool:
+        """Remove entry ``index`` (other processes then see a miss); True if it was published. Its memory is given
+        back at once if it is a file of its own; a packed entry's bytes stay in its segment until the cache goes.
+
+        Args:
+            index: entry index.
+        """
+        i = self._check_index(index)
+        if self._released or self._removed:
+            return False
+        with OFDLock(self._dir.locks_path, i):
+            slot = self._dir.read_slot(i)
+            if slot is not None:
+                self._dir.unpublish(i, slot)
+        return slot is not None
+
     def clear(self) -> None:
         """Forget every entry (other processes using the cache then see misses and recompute).
 
         Packed entries stay in their segments (counted in ``bytes``) until the cache is removed.
         """
         for i in range(self._length):
-            with OFDLock(self._dir.locks_path, i):
-                slot = self._dir.read_slot(i)
-                if slot is not None:
-                    self._dir.unpublish(i, slot)
+            self.remove(i)
 
 
 def _attach(

@@ -491,3 +491,19 @@ def test_dataset_garbage_collected_while_a_cache_is_joined_does_not_deadlock(shm
     r = subprocess.run([sys.executable, "-c", GC_INSIDE_THE_LOCKS], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"  # every cache released, the collected ones included
+
+
+def test_remove_one_entry_frees_it_for_every_process(shm_dir):
+    store = SharedMemoryStore("remove", 3)
+    for i in range(3):
+        store[i] = {"x": torch.full((300_000,), float(i))} if i == 0 else {"x": torch.arange(4) + i}
+    held = store.stats()["stored"]
+    assert store.remove(0) and store.remove(1) and not store.remove(1)  # the second time: nothing to remove
+    assert not store.contains(0) and not store.contains(1) and store.contains(2)
+    after = store.stats()["stored"]
+    assert after["entries"] == held["entries"] - 2 == 1
+    assert after["bytes"] < held["bytes"] - 1_000_000  # the large entry's file is gone at once
+    other = SharedMemoryStore("remove", 3)  # another handle (as another process would have) sees the misses
+    assert other[0] is None and other[1] is None and float(other[2]["x"][0]) == 2.0
+    other.release()
+    store.release()
