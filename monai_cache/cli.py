@@ -114,7 +114,7 @@ def _ls_run(args: argparse.Namespace) -> int:
     if not caches:
         print("no monai_cache shared-memory caches")
         return 0
-    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "PROCESSES", "HITS", "MISSES"]]
+    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "PROCESSES", "HITS", "MISSES", "DISK TIER"]]
     rows += [
         [
             c["key"],
@@ -124,6 +124,7 @@ def _ls_run(args: argparse.Namespace) -> int:
             str(len(c["processes"])),
             str(c["hits"]),
             str(c["misses"]),
+            c["disk_tier"] or "-",
         ]
         for c in caches
     ]
@@ -151,6 +152,7 @@ def _info_run(args: argparse.Namespace) -> int:
     except (NotADirectoryError, OSError) as e:
         print(f"monai-cache info: {e}", file=sys.stderr)
         return 2
+    info["shared_memory_tiers"] = _tiers_in_front_of(args.cache_dir, args.shm_dir)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -168,7 +170,22 @@ def _info_run(args: argparse.Namespace) -> int:
     print(f"temp files      {info['temp_files']}")
     print(f"other files     {info['other_files']} (not ours; never opened)")
     print("hits            unknown (counted by the training processes: PersistentDataset.cache_stats())")
+    tiers = info["shared_memory_tiers"]
+    in_front = ", ".join(f"{c['key']} ({c['state']}, {c['entries']} entries, {format_bytes(c['bytes'])})"
+                         for c in tiers)
+    print(f"in memory       {in_front or 'no shared-memory cache in front of it'}")
     return 0
+
+
+def _tiers_in_front_of(cache_dir: str, shm_dir: str | None) -> list[dict[str, Any]]:
+    """The shared-memory caches whose disk tier is ``cache_dir``, with the processes attached."""
+    from monai_cache.shm_directory import caches_in_front_of
+
+    caches = caches_in_front_of(cache_dir, shm_dir)
+    pids = _attached_pids([c["path"] for c in caches])
+    for c in caches:
+        c["processes"] = pids.get(c["path"], [])
+    return caches
 
 
 # -- clear --------------------------------------------------------------------------------------------------
@@ -186,7 +203,7 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="remove the entries of this disk cache (only monai_cache files, recognised by name and magic number) "
-        "instead of shared-memory caches",
+        "and the shared-memory caches in front of it (live ones with --all), instead of the shared-memory caches",
     )
 
 
@@ -201,13 +218,20 @@ def _clear_run(args: argparse.Namespace) -> int:
         except (NotADirectoryError, OSError) as e:
             print(f"monai-cache clear: {e}", file=sys.stderr)
             return 2
+        tiers = _tiers_in_front_of(args.cache_dir, args.shm_dir)
+        result["shared_memory_tiers_removed"] = [
+            c["key"]
+            for c in tiers
+            if (args.all or c["state"] != "live") and remove_cache(c["key"], args.shm_dir, args.all)
+        ]
         if args.json:
             print(json.dumps(result, indent=1))
         else:
             gone = "; removed the empty directory" if result["removed_dir"] else ""
+            in_memory = len(result["shared_memory_tiers_removed"])
             print(
                 f"removed {result['removed']} cache file(s), {format_bytes(result['bytes'])} from {result['path']}; "
-                f"kept {result['kept']} other file(s){gone}"
+                f"kept {result['kept']} other file(s){gone}; removed {in_memory} shared-memory cache(s) in front of it"
             )
         return 0
     try:
@@ -236,7 +260,10 @@ def _clear_run(args: argparse.Namespace) -> int:
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("cache_dir", help="a PersistentDataset cache_dir")
+    parser.add_argument("cache_dir", help="a PersistentDataset cache_dir (and the shared-memory caches in front of it)")
+    parser.add_argument(
+        "--shm-dir", default=None, help="tmpfs directory of the caches (default $MONAI_CACHE_SHM_DIR or /dev/shm)"
+    )
     parser.add_argument("--remove", action="store_true", help="delete the bad entries (they are recomputed on use)")
     parser.add_argument(
         "--allow-pickle",
@@ -248,12 +275,15 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _verify_run(args: argparse.Namespace) -> int:
     from monai_cache import disk_format
+    from monai_cache.shm_directory import caches_in_front_of, verify
 
     try:
         result = disk_format.verify(args.cache_dir, remove=args.remove, allow_pickle=args.allow_pickle)
     except (NotADirectoryError, OSError) as e:
         print(f"monai-cache verify: {e}", file=sys.stderr)
         return 2
+    tiers = [verify(c["path"], args.allow_pickle) for c in caches_in_front_of(args.cache_dir, args.shm_dir)]
+    result["shared_memory_tiers"] = tiers
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -264,7 +294,12 @@ def _verify_run(args: argparse.Namespace) -> int:
         print(f"{result['checked']} entries checked in {result['path']}: {result['ok']} ok, {n_bad} bad{extra}")
         if result["bad"] and not args.remove:
             print("pass --remove to delete the bad entries (they are recomputed when next used)")
-    return 1 if result["bad"] else 0
+        for tier in tiers:
+            for b in tier["bad"]:
+                print(f"BAD  {tier['path']} entry {b['entry']}: {b['error']}")
+            print(f"{tier['checked']} entries checked in shared memory in front of it, {tier['path']}: "
+                  f"{tier['ok']} ok, {len(tier['bad'])} bad (recomputed when next read)")
+    return 1 if result["bad"] or any(tier["bad"] for tier in tiers) else 0
 
 
 # -- bench --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from monai.data.utils import pickle_hashing
 from monai.transforms import Compose
 
 from monai_cache import __version__, codec
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
 from monai_cache.runtime import COUNTERS, cache_stats
 from monai_cache.shm import SharedMemoryStore
@@ -123,6 +126,15 @@ class CacheDataset(_MonaiCacheDataset):
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options (for
             transforms that cannot be fingerprinted consistently across processes). Datasets with the same
             key share entries, so it must change whenever the data or deterministic transforms change.
+        cache_dir: a directory where the cached items are also kept on disk (a second tier behind shared
+            memory): an item missing from shared memory is read from there, and one computed is written there
+            in the background, so the next run (after a reboot, or on another machine reading the same
+            directory) starts warm. The files are those of ``monai_cache.PersistentDataset`` (format, packing,
+            checks, compression); items are named by ``hash_func`` of the data item and a fingerprint of the
+            cached transforms. Needs the shared-memory cache.
+        shared_dir: ``cache_dir`` is shared by several machines (or by processes that may miss the same item at
+            once): an item missing everywhere is computed by one process in all (see
+            ``monai_cache.PersistentDataset``).
     """
 
     def __init__(
@@ -145,8 +157,12 @@ class CacheDataset(_MonaiCacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
-        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+        )
         super().__init__(
             data=data,
             transform=transform,
@@ -170,6 +186,8 @@ class CacheDataset(_MonaiCacheDataset):
         keep_warm: bool,
         allow_pickle: bool,
         cache_key: str | None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
         """Our options, set before MONAI's ``CacheDataset.__init__`` (which calls :meth:`set_data`). Subclasses
         whose MONAI counterpart calls ``monai.data.CacheDataset.__init__`` by name (MONAI's apps datasets) call
@@ -185,6 +203,10 @@ class CacheDataset(_MonaiCacheDataset):
         self.keep_warm = keep_warm
         self.allow_pickle = allow_pickle
         self.cache_key = cache_key
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.shared_dir = shared_dir
+        self._disk: DiskStore | None = None  # the disk tier (cache_dir)
+        self._disk_keys: dict[int, str] = {}  # data index -> entry key on disk (a dict: set_rnd skips it)
         self._hash_index: dict[bytes, int] = {}
         self._cache_data_index = np.zeros(0, dtype=np.int64)
         self._counts = {"hits": 0, "misses": 0}
@@ -241,6 +263,11 @@ class CacheDataset(_MonaiCacheDataset):
         # Each call starts a new cache: set_data(the same list) recomputes (e.g. files changed on disk) even
         # while other processes still use the old one. Ranks calling it alike share each generation.
         self._generation = getattr(self, "_generation", -1) + 1
+        if self.cache_dir is not None and not self._in_shared_memory():
+            raise ValueError(
+                "cache_dir keeps the shared-memory cache on disk too, so it needs the shared-memory cache: leave "
+                "shared_memory=True and runtime_cache a bool or a string, or use monai_cache.PersistentDataset"
+            )
         if not self._in_shared_memory():
             super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
             if self.hash_as_key:
@@ -258,10 +285,14 @@ class CacheDataset(_MonaiCacheDataset):
             keep_warm=self.keep_warm,
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
+            disk_tier=self.cache_dir,
         )
         # list-like, as MONAI's runtime_cache containers; the store gives its entries back when it is collected
         # with this dataset (the last process using them removes them)
         self._cache = store  # type: ignore[assignment]
+        self._disk_keys = {}
+        if self.cache_dir is not None:
+            self._disk = DiskStore.open(self.cache_dir, allow_pickle=self.allow_pickle, shared=self.shared_dir)
         if self.runtime_cache in (False, None):
             filled = self._fill_cache(indices)
             if filled is not store:  # a subclass's _fill_cache made a cache of its own: use it, as MONAI does
@@ -291,7 +322,7 @@ class CacheDataset(_MonaiCacheDataset):
 
         def fill(job: tuple[int, int]) -> tuple[int, int] | None:
             slot, data_index = job
-            return None if store.fill(slot, partial(self._load_cache_item, data_index)) else job
+            return None if store.fill(slot, self._computer(data_index)) else job
 
         # Only the entries not cached yet: a process joining a filled cache starts at once.
         jobs = [(slot, indices[slot]) for slot in store.missing()]
@@ -301,10 +332,42 @@ class CacheDataset(_MonaiCacheDataset):
                 results = tqdm(results, total=len(jobs), desc="Loading dataset")
             deferred = [job for job in results if job is not None]
         for slot, data_index in deferred:  # entries other processes were computing: wait, then make sure
-            while not store.fill(slot, partial(self._load_cache_item, data_index)):
+            while not store.fill(slot, self._computer(data_index)):
                 store.wait_for(slot)
         _release_freed_memory()
         return store
+
+    def _computer(self, data_index: int) -> Callable[[], Any]:
+        """What fills a missing shared-memory entry: the cached transforms, or, with a disk tier, its entry on
+        disk (read, or computed and written there)."""
+        compute = partial(self._load_cache_item, data_index)
+        if self._disk is None:
+            return compute
+        key = self._disk_keys.get(data_index)
+        if key is None:
+            key = self._disk_keys[data_index] = entry_key(
+                self.hash_func(self.data[data_index]).decode("utf-8"), self._disk_variant()
+            )
+        return partial(self._disk.get_or_compute, key, compute)
+
+    def _disk_variant(self) -> str:
+        """What the disk tier's entries hold beyond the data item: the cached transforms and the options that change
+        them (taken once; the shared-memory cache's name covers the same)."""
+        variant = getattr(self, "_disk_variant_key", None)
+        if variant is None:
+            variant = self._disk_variant_key = fingerprint(
+                "monai_cache.CacheDataset",
+                type(self),
+                {name: getattr(self, name, None) for name in self._subclass_attributes},
+                DISK_FORMAT_VERSION,
+                codec.FORMAT_VERSION,
+                library_versions(),
+                chain_fingerprint(self.transform),
+                self.as_contiguous,
+                self.allow_pickle,
+                get_track_meta(),
+            )[:16]
+        return str(variant)
 
     # -- reading --
     def _cache_index_of(self, index: int) -> int | None:
@@ -328,7 +391,7 @@ class CacheDataset(_MonaiCacheDataset):
         if isinstance(self._cache, SharedMemoryStore):
             # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
             # so no deep copy is needed whatever copy_cache says
-            data = self._cache.get_or_compute(cache_index, partial(self._load_cache_item, data_index))
+            data = self._cache.get_or_compute(cache_index, self._computer(data_index))
             private = True
         else:
             data = self._cache[cache_index]
@@ -355,9 +418,13 @@ class CacheDataset(_MonaiCacheDataset):
         ``process`` counts this process (in a DataLoader worker: the worker); ``total`` is shared by every process
         of the machine using the same shared-memory cache; ``stored`` is what the cache holds. With a private
         cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
-        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes.
+        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes. With a
+        ``cache_dir``, ``"disk"`` holds the disk tier's counters (``misses`` above then counts items read from
+        disk or computed).
         """
         if isinstance(self._cache, SharedMemoryStore):
+            if self._disk is not None:
+                return {**self._cache.stats(), "disk": self._disk.stats()}
             return self._cache.stats()
         counts = dict.fromkeys(COUNTERS, 0)
         counts.update(self._counts)
@@ -366,5 +433,17 @@ class CacheDataset(_MonaiCacheDataset):
         return cache_stats(counts, counts, len(held), sum(codec.item_nbytes(item) for item in held))
 
     def release(self) -> None:
-        """Stop using the shared-memory cache now (it is removed if this was its last user)."""
+        """Stop using the shared-memory cache now (it is removed if this was its last user). A disk tier's
+        pending writes go on in the background (see :meth:`flush`)."""
         self._release_cache()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this process's pending writes to the disk tier (``cache_dir``) are on disk.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as needed.
+
+        Returns:
+            False if the timeout passed with writes still pending (True without a ``cache_dir``).
+        """
+        return True if self._disk is None else self._disk.flush(timeout)

@@ -34,7 +34,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -43,11 +43,13 @@ from monai_cache import codec
 from monai_cache.disk_format import (
     DEFAULT_COMPRESSION_LEVEL,
     ENTRY_SUFFIX,
+    LOCKS_NAME,
     PACK_LIMIT,
     READ_FLAGS,
     PackedRecord,
     PackIndex,
     StoredEntry,
+    entry_lock_byte,
     key_tag,
     read_blob,
     stored_entries,
@@ -64,6 +66,7 @@ from monai_cache.errors import (
 )
 from monai_cache.runtime import (
     COUNTERS,
+    OFDLock,
     SharedCounters,
     arm_exit_hook,
     cache_stats,
@@ -75,6 +78,9 @@ from monai_cache.utils import format_bytes, parse_bytes
 
 __all__ = ["DEFAULT_COMPRESSION_LEVEL", "MISSING", "DiskStore", "prepare_cache_dir"]
 
+ENTRY_LOCK_TIMEOUT = 600.0
+"""Seconds :meth:`DiskStore.entry_lock` waits for another process computing the same entry before computing it
+too."""
 EXIT_FLUSH_TIMEOUT = 120.0
 """Seconds a process exiting normally waits, in all, for its pending writes."""
 _exit_deadline: float | None = None
@@ -169,13 +175,17 @@ class DiskStore:
         describe: names an entry key in warnings (e.g. with the data item); default: the key.
         pack_limit: records (header + encoded item, before compression) smaller than this many bytes are
             packed; 0 gives every entry its own file. Packed entries written by others are read either way.
+        shared: the directory is shared by several machines (a cluster file system) or by processes that may
+            miss the same entry at once: :meth:`get_or_compute` then computes an entry missing everywhere in one
+            process only (the others wait for it, under an entry lock in the directory) and writes it before
+            letting them go.
     """
 
     __slots__ = (
         "__weakref__", "_bad_reported", "_counts", "_describe", "_disabled", "_files", "_packs", "_pid", "_shared",
         "_unsupported", "_warned_io", "_writer", "allow_pickle", "async_writes", "compression",
         "compression_level", "compression_threads", "directory", "downcast", "fsync", "lossy", "max_pending_bytes",
-        "max_pending_writes", "pack_limit", "writable",
+        "max_pending_writes", "pack_limit", "shared", "writable",
     )
 
     def __init__(
@@ -195,6 +205,7 @@ class DiskStore:
         writable: bool = True,
         describe: Any = None,
         pack_limit: int = PACK_LIMIT,
+        shared: bool = False,
     ) -> None:
         if compression not in (None, "zstd", "none"):
             raise ValueError(f"compression must be 'zstd' or None, got {compression!r}")
@@ -221,6 +232,7 @@ class DiskStore:
         self.max_pending_bytes = int(parse_bytes(max_pending_bytes, "max_pending_bytes") or 0)
         self.writable = bool(writable)
         self.pack_limit = pack_limit
+        self.shared = bool(shared)
         self._describe = describe
         self._shared = SharedCounters(COUNTERS)
         self._packs = PackIndex(self.directory)
@@ -495,6 +507,58 @@ class DiskStore:
         if not self._warned_io and self._shared.first(WARNED_IO):
             warn(f"{message}; such items are served uncached", CacheUnavailableWarning, stacklevel=5)
         self._warned_io = True
+
+    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
+        """The item stored under ``key``; if there is none, ``compute()``, store it and return it.
+
+        In a ``shared`` store, the computation runs under the entry's lock (see :meth:`entry_lock`): a process
+        that misses the same entry meanwhile, on this machine or another one using the directory, waits and then
+        reads the entry instead of computing it again; the entry is written before the lock is released.
+
+        Args:
+            key: the entry key.
+            compute: makes the item when it is missing.
+        """
+        item = self.get(key)
+        if item is not MISSING:
+            return item
+        if not self.shared:
+            item = compute()
+            self.put(key, item)
+            return item
+        with self.entry_lock(key):
+            item = self.get(key)  # computed by the process we waited for?
+            if item is not MISSING:
+                return item
+            item = compute()
+            self.write(key, item)  # visible to every process before the lock goes
+            return item
+
+    @contextlib.contextmanager
+    def entry_lock(self, key: str, timeout: float | None = ENTRY_LOCK_TIMEOUT) -> Iterator[bool]:
+        """Hold the lock of entry ``key`` across processes (and machines, on a file system with POSIX locks
+        shared by its clients, such as NFSv4 or Lustre): an OFD byte-range lock on the directory's
+        :data:`~monai_cache.disk_format.LOCKS_NAME` file, which the kernel (or the file server, when a client
+        dies) releases with its holder.
+
+        Args:
+            key: the entry key.
+            timeout: seconds to wait at most; then the caller goes ahead without it (an entry computed twice is
+                better than a stalled job). ``None`` waits as long as it takes.
+
+        Yields:
+            whether the lock is held (False: it could not be taken in time, or the directory cannot hold it).
+        """
+        lock = OFDLock(os.path.join(self.directory, LOCKS_NAME), entry_lock_byte(key))
+        try:
+            held = lock.acquire(timeout=timeout)
+        except OSError:  # a read-only or removed directory: nothing to coordinate through
+            held = False
+        try:
+            yield held
+        finally:
+            if held:
+                lock.release()
 
     # -- writes --
     def put(self, key: str, item: Any) -> None:

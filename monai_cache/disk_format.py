@@ -120,6 +120,9 @@ RELIST_SECONDS = 0.5
 """On a miss, a reader lists the directory again for new pack indexes when it changed, but at most this often:
 a directory of 10^5 large entry files takes tens of milliseconds to list, and it changes with every entry file
 written. A pack discovered late only costs a recomputed item."""
+LOCKS_NAME = ".locks"
+"""A cache directory's lock file: byte :func:`entry_lock_byte` of it is locked while a process computes that
+entry (shared stores only). Empty: only its locks matter."""
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 """Opening files of a cache directory to read: no symlinks, and O_NONBLOCK so that a FIFO planted under an
 entry or index name cannot block the reader (it is then rejected as not a regular file)."""
@@ -134,6 +137,29 @@ def key_tag(key: str) -> bytes:
         key: the entry key (the file name without ``.mcache``).
     """
     return hashlib.sha256(key.encode()).digest()[:16]
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+
+
+def entry_key(item_hash: str, variant: str) -> str:
+    """The entry key (file name without ``.mcache``) of an item: its hash and the variant of what is stored,
+    ``<item hash>-<variant>``; a name that is not ``[A-Za-z0-9_.-]{1,200}`` (custom hash functions) is replaced by
+    its SHA-256 hex digest, so that every key is a safe file name.
+
+    Args:
+        item_hash: the data item's hash (MONAI's ``hash_func(item)``, plus its ``transform_hash``).
+        variant: names what is stored beyond the data item (transforms, options, format versions).
+    """
+    key = f"{item_hash}-{variant}"
+    if not _SAFE_NAME.fullmatch(key) or key.startswith("."):
+        key = hashlib.sha256(key.encode()).hexdigest()
+    return key
+
+
+def entry_lock_byte(key: str) -> int:
+    """The byte of :data:`LOCKS_NAME` that stands for entry ``key`` (two keys rarely share one: 2^30 bytes)."""
+    return int.from_bytes(key_tag(key)[:4], "little") & ((1 << 30) - 1)
 
 
 def pack_header(flags: int, blob_len: int, stored_len: int, payload_crc: int, key: str) -> bytes:
@@ -818,6 +844,8 @@ def summarize(directory: str) -> dict[str, Any]:
             if _is_temp_file(name):
                 info["temp_files"] += 1
                 continue
+            if name == LOCKS_NAME:
+                continue
             if is_pack_file(name):  # its records are counted below, from the indexes
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -893,7 +921,7 @@ def clear(directory: str) -> dict[str, Any]:
             kept += 1
             continue
         magic = None
-        if _is_temp_file(name):
+        if _is_temp_file(name) or name == LOCKS_NAME:
             ours = True
         elif not name.startswith(".") and name.endswith(ENTRY_SUFFIX):
             magic, whole = DISK_MAGIC, True

@@ -34,11 +34,13 @@ from typing import Any
 __all__ = [
     "COUNTERS",
     "COUNTERS_SIZE",
+    "ENV_NODE_ID",
     "HOST_TAG",
     "SLOTS_AT",
     "OFDLock",
     "SharedCounters",
     "fallocate",
+    "node_identity",
     "ofd_lock",
     "ofd_unlock",
     "arm_exit_hook",
@@ -179,12 +181,22 @@ class OFDLock:
         self._start = start
         self._fd = -1
 
-    def acquire(self, blocking: bool = True) -> bool:
-        """Take the lock; False if another holder has it and not ``blocking``."""
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take the lock; False if another holder has it and not ``blocking``, or still has it after ``timeout``
+        seconds (``None``: wait as long as it takes)."""
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if ofd_lock(self._fd, self._start, blocking):
-                return True
+            if timeout is None or not blocking:
+                if ofd_lock(self._fd, self._start, blocking):
+                    return True
+            else:
+                deadline = time.monotonic() + timeout
+                while True:  # F_OFD_SETLKW has no timeout: poll
+                    if ofd_lock(self._fd, self._start, blocking=False):
+                        return True
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.01)
         except BaseException:
             os.close(self._fd)
             self._fd = -1
@@ -508,8 +520,32 @@ def read_counters(path: str, fields: Sequence[str]) -> tuple[int, dict[str, int]
 
 # ------------------------------------------------------------------------------------------- temporary files
 
-HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
-"""This machine in file names: processes of several machines may write into one cache directory."""
+ENV_NODE_ID = "MONAI_CACHE_NODE_ID"
+
+
+def node_identity() -> str:
+    """This machine's identity: processes with equal identities share a machine (its ``/dev/shm``, its pids).
+
+    ``$MONAI_CACHE_NODE_ID`` if set; otherwise the host name, plus the kernel's boot id where Linux provides one,
+    so that two machines that happen to share a host name are still told apart. Set ``MONAI_CACHE_NODE_ID`` when
+    host names do not tell which processes share a machine, e.g. containers with their own host names sharing
+    the host's ``/dev/shm`` (``--ipc=host``) should get one value. ``ShardedDistributedSampler(shard_by="node")``
+    groups ranks by it, and files that several machines may write into one cache directory are named by it.
+    """
+    override = os.environ.get(ENV_NODE_ID)
+    if override:
+        return override
+    host = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{host} (boot {f.read().strip()[:8]})"
+    except OSError:
+        return host
+
+
+HOST_TAG = hashlib.sha1(node_identity().encode()).hexdigest()[:8]
+"""This machine in file names (8 hex digits of SHA-1 of :func:`node_identity`): processes of several machines
+may write into one cache directory, and a process id means something on its own machine only."""
 TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 3600.0
 """A temporary file older than this is a left-over of a killed writer, whichever machine wrote it."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import socket
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence, Sized
@@ -21,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
+from monai_cache.runtime import node_identity
+
 __all__ = ["ShardedDistributedSampler"]
 
-ENV_NODE_ID = "MONAI_CACHE_NODE_ID"
 
 _SHARD_BY = ("rank", "node")
 _MASK64 = (1 << 64) - 1
@@ -89,36 +89,17 @@ def _fit_to_length(shard: torch.Tensor, length: int, epoch: int, n: int, group: 
     return torch.cat([shard, shard[(torch.arange(pad, dtype=torch.int64) + (epoch + group) * pad) % size]])
 
 
-def _node_identity() -> str:
-    """This machine's identity for ``shard_by="node"``: ranks with equal identities form one node.
-
-    ``$MONAI_CACHE_NODE_ID`` if set; otherwise the host name, plus the kernel's boot id where Linux provides
-    one, so two machines that happen to share a host name are still told apart. Set ``MONAI_CACHE_NODE_ID``
-    when host names do not tell which processes share a machine's cache, e.g. containers with their own
-    host names sharing the host's ``/dev/shm`` (``--ipc=host``) should get one value.
-    """
-    override = os.environ.get(ENV_NODE_ID)
-    if override:
-        return override
-    host = socket.gethostname()
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{host} (boot {f.read().strip()[:8]})"
-    except OSError:
-        return host
-
-
 # identities of the ranks of a process group, gathered once per group (and process)
 _gathered_identities: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
 
 
 def _identities_of_process_group() -> list[str]:
-    """``_node_identity()`` of every rank of the default process group, by rank; one all-gather per group."""
+    """``node_identity()`` of every rank of the default process group, by rank; one all-gather per group."""
     group = dist.group.WORLD
     identities = _gathered_identities.get(group)
     if identities is None:
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, _node_identity())
+        dist.all_gather_object(gathered, node_identity())
         identities = _gathered_identities[group] = [str(x) for x in gathered]
     return identities
 
@@ -130,7 +111,7 @@ def _local_world_size_from_identities(identities: Sequence[str]) -> int:
     ``k`` holds ranks ``k * L ... k * L + L - 1`` (``node = rank // L``).
 
     Args:
-        identities: ``identities[r]`` names the machine of rank ``r`` (see ``_node_identity``).
+        identities: ``identities[r]`` names the machine of rank ``r`` (see ``monai_cache.runtime.node_identity``).
 
     Returns:
         ``L``, the number of ranks per node.

@@ -86,6 +86,8 @@ class SharedMemoryStore:
         verify: check every read against the data checksum too. Off by default: entries are published only
             once complete, so a crash cannot damage them, and the header and layout are always validated;
             a full check costs about 1 ms per MB read.
+        disk_tier: the disk cache directory behind this cache, if any (a dataset with two tiers): recorded in the
+            cache's directory, so that ``monai-cache ls``, ``info`` and ``clear`` show and treat the tiers together.
     """
 
     __slots__ = (
@@ -121,6 +123,7 @@ class SharedMemoryStore:
         reserve: int | str | None = None,
         describe: Callable[[int], str] | None = None,
         verify: bool = False,
+        disk_tier: str | None = None,
     ) -> None:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"invalid cache key {key!r}")
@@ -136,6 +139,8 @@ class SharedMemoryStore:
         self._describe = describe
         self._verify = bool(verify)
         self._dir = acquire(cache_root(self._shm_dir), key, self._keep)
+        if disk_tier is not None:
+            self._dir.record_disk_tier(disk_tier)
         self._pid = os.getpid()
         # Every store (a dataset's, or a copy unpickled or deep-copied in this process) gives its reference
         # back when it is garbage collected; release() does it now. A finalizer runs at most once.

@@ -7,6 +7,7 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
         <key>/                         one directory per dataset fingerprint
             lease                      every process using the cache holds a shared flock on it
             keep                       present when the cache is to outlive its users (keep_warm=True)
+            disk_tier                  the disk cache directory behind this cache, if any (one line)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
             locks                      byte i is OFD-locked while someone computes entry i
             index                      a 32-byte slot per entry: where it lives, its tag and checksum
@@ -62,10 +63,12 @@ __all__ = [
     "Slot",
     "acquire",
     "cache_root",
+    "caches_in_front_of",
     "default_shm_dir",
     "list_caches",
     "release",
     "remove_cache",
+    "verify",
 ]
 
 ENV_SHM_DIR = "MONAI_CACHE_SHM_DIR"
@@ -392,6 +395,20 @@ class CacheDirectory:
             _unlink_quiet(tmp)
             raise
 
+    def record_disk_tier(self, directory: str) -> None:
+        """Record the disk cache directory behind this cache (shown and cleared with it by the command line)."""
+        path = os.path.join(self.path, "disk_tier")
+        text = os.path.abspath(directory) + "\n"
+        if disk_tier_of(self.path) == text.strip():
+            return
+        tmp = os.path.join(self.path, temp_name("disk_tier"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
     def space_left(self, reserve: int | None) -> tuple[int, int]:
         """``(bytes that may still be used, bytes free)`` on the tmpfs, leaving ``reserve`` (default: the smaller
         of 512 MiB and a quarter of its size) for others: DataLoader workers pass batches through it."""
@@ -599,7 +616,8 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
 
     Returns:
         one dict per cache: ``key``, ``path``, ``bytes`` (allocated), ``entries``, ``hits``, ``misses``,
-        ``state`` (``live``, ``kept`` or ``stale``) and ``ours`` (its counters have this version's layout).
+        ``state`` (``live``, ``kept`` or ``stale``), ``ours`` (its counters have this version's layout) and
+        ``disk_tier`` (the disk cache directory behind it, or None).
     """
     root = cache_root(shm_dir, create=False)
     if not os.path.isdir(root):
@@ -633,9 +651,85 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
                 "misses": counts.get("misses", 0),
                 "state": "live" if live else ("kept" if os.path.exists(os.path.join(path, "keep")) else "stale"),
                 "ours": magic == MAGIC,
+                "disk_tier": disk_tier_of(path),
             }
         )
     return out
+
+
+def disk_tier_of(path: str) -> str | None:
+    """The disk cache directory recorded behind the cache at ``path``, or None."""
+    try:
+        with open(os.path.join(path, "disk_tier")) as f:
+            return f.read(4096).strip() or None
+    except OSError:
+        return None
+
+
+def caches_in_front_of(directory: str, shm_dir: str | None = None) -> list[dict[str, Any]]:
+    """The shared-memory caches whose disk tier is ``directory`` (as :func:`list_caches` describes them).
+
+    Args:
+        directory: a disk cache directory.
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+    """
+    target = os.path.abspath(directory)
+    try:
+        return [c for c in list_caches(shm_dir) if c["disk_tier"] == target]
+    except (FileNotFoundError, NotADirectoryError, PermissionError):  # no shared memory here: no tier
+        return []
+
+
+def verify(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    """Read and check every published entry of the cache at ``path`` without joining it: its index slot
+    (checksum), the bytes it points at (the tag binds them to the slot), and their decoding.
+
+    Args:
+        path: a cache directory (``list_caches()[i]["path"]``).
+        allow_pickle: decode pickled values too; without it their entries are checked but not decoded.
+
+    Returns:
+        ``{"path", "checked", "ok", "bad": [{"entry", "error"}], "not_decoded"}``.
+    """
+    from monai_cache import codec  # torch: only when asked to decode
+
+    ok = not_decoded = 0
+    bad: list[dict[str, Any]] = []
+    try:
+        with open(os.path.join(path, "index"), "rb") as f:
+            index = f.read()
+    except FileNotFoundError:
+        index = b""
+    segments: dict[int, memoryview] = {}  # writable copies: decoded tensors may be written into
+    for i in range(len(index) // SLOT_SIZE):
+        raw = index[SLOT_SIZE * i : SLOT_SIZE * (i + 1)]
+        if raw == _EMPTY_SLOT:
+            continue
+        seg, tag, offset, length, _reserved, check = _SLOT.unpack(raw)
+        try:
+            if check != zlib.crc32(raw[: SLOT_SIZE - 4] + i.to_bytes(8, "little")):
+                raise codec.CorruptEntryError("damaged index slot")
+            if seg == STANDALONE:
+                with open(f"{path}/{i}{_ENTRY_SUFFIX}", "rb") as f:
+                    blob = memoryview(bytearray(f.read()))
+            else:
+                if seg not in segments:
+                    with open(f"{path}/s.{seg}", "rb") as f:
+                        segments[seg] = memoryview(bytearray(f.read()))
+                blob = segments[seg][offset : offset + length]
+            if len(blob) != length or entry_tag(codec.blob_identity(blob), i) != tag:
+                raise codec.CorruptEntryError("the slot points at data that is not this entry's")
+            codec.decode(blob, allow_pickle=allow_pickle, verify=True)
+            ok += 1
+        except codec.CorruptEntryError as e:
+            if not allow_pickle and "allow_pickle" in str(e):
+                not_decoded += 1
+                ok += 1
+                continue
+            bad.append({"entry": i, "error": str(e)})
+        except OSError as e:
+            bad.append({"entry": i, "error": f"cannot read: {e.strerror or e}"})
+    return {"path": path, "checked": ok + len(bad), "ok": ok, "bad": bad, "not_decoded": not_decoded}
 
 
 def _blocks_of(entry: os.DirEntry) -> int:

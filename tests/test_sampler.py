@@ -12,7 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from monai_cache.sampler import ShardedDistributedSampler, _local_world_size_from_identities, _node_identity
+from monai_cache.runtime import node_identity as _node_identity
+from monai_cache.sampler import ShardedDistributedSampler, _local_world_size_from_identities
 
 FAST = settings(max_examples=100, deadline=None)
 
