@@ -358,7 +358,7 @@ class DiskStore:
             return True
         return self._packs.lookup(key, refresh=True) is not None or os.path.exists(self.path(key))
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, fresh: bool = False) -> Any:
         """The item stored under ``key``, or :data:`MISSING`.
 
         A write still queued in this process is served from memory (a private copy). A file that fails a
@@ -368,6 +368,9 @@ class DiskStore:
 
         Args:
             key: the entry key.
+            fresh: look for packs written by other processes now, however recently the directory was listed
+                (by default at most every :data:`~monai_cache.disk_format.RELIST_SECONDS`: a pack found late
+                only costs a recomputed item).
         """
         self._publish()
         queued = self._writer.get(key)
@@ -379,7 +382,7 @@ class DiskStore:
             item = self._get_file(key)
             if item is not _NO_FILE:
                 return item
-            loc = self._packs.lookup(key, refresh=True)  # written by another process since we last looked?
+            loc = self._packs.lookup(key, refresh=True, fresh=fresh)  # written by another process since?
         for _ in range(4):
             if loc is None:
                 break
@@ -527,7 +530,7 @@ class DiskStore:
             self.put(key, item)
             return item
         with self.entry_lock(key):
-            item = self.get(key)  # computed by the process we waited for?
+            item = self.get(key, fresh=True)  # computed by the process we waited for?
             if item is not MISSING:
                 return item
             item = compute()

@@ -687,14 +687,15 @@ class PackIndex:
         """In a forked child: what the parent read stays valid (append-only files); only the lock is new."""
         self._lock = threading.Lock()
 
-    def lookup(self, key: str, refresh: bool = False) -> PackedRecord | None:
+    def lookup(self, key: str, refresh: bool = False, fresh: bool = False) -> PackedRecord | None:
         """The packed record of ``key`` as last read; the indexes are read again (new tails only) if it is
-        unknown and ``refresh``, or on the first lookup."""
+        unknown and ``refresh``, or on the first lookup. ``fresh`` also lists the directory for new indexes now,
+        however recently it was listed (a process that waited for another to write the entry)."""
         tag = key_tag(key)
         with self._lock:
             loc = self._map.get(tag)
-            if loc is None and (refresh or not self._loaded):
-                self._refresh_locked()
+            if loc is None and (refresh or fresh or not self._loaded):
+                self._refresh_locked(fresh)
                 self._loaded = True
                 loc = self._map.get(tag)
             return loc
@@ -733,7 +734,7 @@ class PackIndex:
             if alternative is not None and tag not in self._map:
                 self._map[tag] = alternative
 
-    def _refresh_locked(self) -> None:
+    def _refresh_locked(self, fresh: bool = False) -> None:
         now = time.monotonic()
         try:
             mtime = os.stat(self._directory).st_mtime_ns
@@ -741,7 +742,7 @@ class PackIndex:
             return
         # New index files change the directory's mtime. A listing made within the timestamp granularity of
         # the last change may miss a file created in the same tick: list again next time then.
-        if now - self._listed_at >= RELIST_SECONDS and (mtime != self._dir_mtime or self._unsure):
+        if fresh or (now - self._listed_at >= RELIST_SECONDS and (mtime != self._dir_mtime or self._unsure)):
             self._dir_mtime, self._listed_at = mtime, now
             self._unsure = time.time_ns() - mtime < 2_000_000_000
             try:

@@ -37,7 +37,7 @@ def main() -> None:
             dist.all_reduce(torch.zeros(1))  # lockstep
         dist.barrier()  # every rank of the node finished the epoch before we read the node's counters
         per_epoch.append(seen)
-        stats.append(ds.cache_stats()["machine"])
+        stats.append(ds.cache_stats()["total"])
         dist.barrier()
     print(json.dumps({"rank": dist.get_rank(), "seen": per_epoch, "stats": stats,
                       "entries": [i for i in range(len(ds)) if ds._cache.contains(i)]}), flush=True)
