@@ -173,23 +173,26 @@ def test_shared_memory_runs_out_mid_epoch(tmp_path):
         t.assert_clean("hung", "wrong_items", "corrupt", "layout_problems", "files_left", "bytes_leaked")
 
 
-def _join_full(shm: str, log: str) -> None:
-    _train(lambda: CacheDataset(data_list(4, 1000), MakeItem(), runtime_cache=True, cache_key="full-at-start",
-                                progress=False, shm_dir=shm), 1, dict.fromkeys(range(4), 1000), log)
-
-
 def test_shared_memory_already_full_when_a_dataset_is_built(tmp_path):
     """/dev/shm already full (another job) when a rank builds its dataset: it must train uncached, not die."""
     with tmpfs(str(tmp_path / "shm"), "size=1m") as shm:
         fill(shm, leave=0)
         assert os.statvfs(shm).f_bavail == 0
         log = str(tmp_path / "warnings.log")
-        p = FORK.Process(target=_join_full, args=(shm, log))
-        p.start()
-        p.join(120)
-        assert p.exitcode != -signal.SIGBUS, "the trainer was killed by SIGBUS"
-        assert p.exitcode == 0
-        assert len(monai_cache_warnings(log)) == 1
+
+        def build():
+            return CacheDataset(data_list(4, 1000), MakeItem(), runtime_cache=True, cache_key="full-at-start",
+                                progress=False, shm_dir=shm)
+
+        t = Tally("exhaustion/shm-full-at-start", "hung", "items_checked", "wrong_items", epochs=1, items=4)
+        run = run_trainer(build, 1, dict.fromkeys(range(4), 1000), log, timeout=120)
+        sigbus = run["exit_code"] == -signal.SIGBUS
+        t.check(not sigbus, "the trainer was killed by SIGBUS")
+        check_trainer(t, run)
+        msgs = monai_cache_warnings(log)
+        t.check(len(msgs) == 1, msgs)
+        t.record(killed_by_sigbus=int(sigbus), warnings=len(msgs))
+        t.assert_clean("hung", "wrong_items", "killed_by_sigbus")
 
 
 def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_path):
@@ -201,11 +204,14 @@ def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_pat
         return CacheDataset(data_list(n), MakeItem(), runtime_cache=True, cache_key="tiny-budget", progress=False,
                             shm_dir=shm_dir, shm_budget=1000)
 
-    run = run_trainer(build, 2, None, log, None, lambda ds: ds.release())
-    assert run["exit_code"] == 0, run
+    t = Tally("exhaustion/shm-budget-below-one-item", "hung", "items_checked", "wrong_items", epochs=2, items=n)
+    check_trainer(t, run_trainer(build, 2, None, log, None, lambda ds: ds.release()))
     msgs = monai_cache_warnings(log)
-    assert len(msgs) == 1 and "budget reached" in msgs[0], msgs
-    assert tree_files(shm_dir) == [f"{os.path.basename(cache_root(shm_dir))}/.lock"]
+    t.check(len(msgs) == 1 and "budget reached" in msgs[0], msgs)
+    leftovers = tree_files(shm_dir)
+    t.check(leftovers == [f"{os.path.basename(cache_root(shm_dir))}/.lock"], leftovers)
+    t.record(warnings=len(msgs), files_left=len(leftovers) - 1)
+    t.assert_clean("hung", "wrong_items", "files_left")
 
 
 # --------------------------------------------------------------------------------------------- disk

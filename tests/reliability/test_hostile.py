@@ -50,7 +50,17 @@ from ._fuzzing import (
     split,
     structure_equal,
 )
-from ._harness import Hang, MakeItem, Tally, data_list, deadline, env_int, item_problem, make_item
+from ._harness import (
+    Hang,
+    MakeItem,
+    Tally,
+    data_list,
+    deadline,
+    env_int,
+    item_problem,
+    join_or_kill,
+    make_item,
+)
 
 EXAMPLES = env_int("MONAI_CACHE_FUZZ_EXAMPLES", 300)
 FUZZ = settings(
@@ -603,7 +613,9 @@ def test_crafted_disk_headers_never_crash(tmp_path):
     t.assert_clean("wrong_data", "wrong_data_from_store", "bad_files_kept", "crashes", "hangs")
 
 
-def _peak_rss_growth(paths: list[str]) -> None:
+def _peak_rss_growth(paths: list[str], out: str) -> None:
+    """Read every file in a fresh process; write how many were rejected and how much its peak RSS grew."""
+
     def hwm() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -611,13 +623,16 @@ def _peak_rss_growth(paths: list[str]) -> None:
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak to the current RSS
         f.write("5")
     before = hwm()
+    rejected = 0
     for path in paths:
         try:
             read_entry(path)
-            os._exit(255)
         except CorruptEntryError:
-            pass
-    os._exit(min(254, (hwm() - before) >> 24))  # growth in units of 16 MiB
+            rejected += 1
+    growth = hwm() - before
+    with open(out, "w") as f:
+        json.dump({"rejected": rejected, "growth": growth}, f)
+    os._exit(0)
 
 
 def test_a_tiny_file_claiming_a_huge_blob_allocates_nothing_big(tmp_path):
@@ -634,12 +649,22 @@ def test_a_tiny_file_claiming_a_huge_blob_allocates_nothing_big(tmp_path):
         paths.append(str(tmp_path / f"k{claim}.mcache"))
         with open(paths[-1], "wb") as f:
             f.write(head + payload)
-    p = multiprocessing.get_context("fork").Process(target=_peak_rss_growth, args=(paths,))
+    out = str(tmp_path / "measured.json")
+    p = multiprocessing.get_context("fork").Process(target=_peak_rss_growth, args=(paths, out))
     p.start()
-    p.join(120)
-    assert p.exitcode != 255, "a crafted file was accepted"
-    growth = p.exitcode * 16
-    assert growth < 256, f"reading {len(paths)} tiny files raised the peak RSS by about {growth} MiB"
+    code = join_or_kill(p, 120)
+    t = Tally("hostile/huge-claimed-blob", files=len(paths))
+    t.add("hangs", code is None)
+    t.check(code == 0, f"the reader exited with {code} (None: it hung)")
+    measured = {"rejected": 0, "growth": None}
+    if os.path.exists(out):
+        with open(out) as f:
+            measured = json.load(f)
+    t.check(measured["rejected"] == len(paths), f"{len(paths) - measured['rejected']} crafted files accepted")
+    growth = None if measured["growth"] is None else measured["growth"] / 2**20
+    t.check(growth is not None and growth < 256, f"reading {len(paths)} tiny files raised the peak RSS by {growth} MiB")
+    t.record(rejected=measured["rejected"], peak_rss_growth_mib=None if growth is None else round(growth, 1))
+    t.assert_clean("hangs")
 
 
 # -------------------------------------------------------------------------------- planted pickles
