@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any, cast
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
+from monai_cache.errors import MonaiCacheWarning, warn
 from monai_cache.runtime import node_identity
 
 __all__ = ["ShardedDistributedSampler"]
@@ -390,13 +390,13 @@ class ShardedDistributedSampler(DistributedSampler):
             got_node = int(env_group) if env_group is not None and env_group.lstrip("-").isdigit() else expected[0]
             got_local = int(env_local) if env_local.lstrip("-").isdigit() else expected[1]
             if (got_node, got_local) != expected:
-                warnings.warn(
+                warn(
                     f"rank {rank} has LOCAL_RANK={env_local}, GROUP_RANK={env_group}, but shard_by='node' "
                     f"assumes node {expected[0]}, local rank {expected[1]} (rank // local_world_size, "
                     f"local_world_size={local_world_size}). Sampling stays correct, but a node's shard will not "
                     "match the machine, so a per-node cache will miss; check local_world_size / the launcher.",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    MonaiCacheWarning,
+                    stacklevel=4,
                 )
         return local_world_size
 
