@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
     "PersistentDataset": "monai_cache.persistent",
+    "CacheNTransDataset": "monai_cache.cache_n_trans",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "DiskStore": "monai_cache.disk",
@@ -32,6 +33,7 @@ _EXPORTS = {
 __all__ = [
     "CacheDataset",
     "CacheFullWarning",
+    "CacheNTransDataset",
     "CacheUnavailableWarning",
     "CorruptEntryError",
     "CorruptEntryWarning",
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from monai_cache.cache_n_trans import CacheNTransDataset
     from monai_cache.dataset import CacheDataset
     from monai_cache.disk import DiskStore
     from monai_cache.errors import (

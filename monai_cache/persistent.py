@@ -23,7 +23,7 @@ from torch.serialization import DEFAULT_PROTOCOL
 from monai_cache import codec
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DEFAULT_COMPRESSION_LEVEL, DISK_FORMAT_VERSION, StoredEntry, entry_key
-from monai_cache.fingerprint import chain_fingerprint, fingerprint, library_versions
+from monai_cache.fingerprint import cacheable_transforms, chain_fingerprint, fingerprint, library_versions
 from monai_cache.runtime import COUNTERS, cache_stats
 from monai_cache.shm import SharedMemoryStore
 
@@ -285,30 +285,42 @@ class PersistentDataset(_MonaiPersistentDataset):
         ``hash_transform`` is in use) and the options that change the stored content.
 
         The transform fingerprint is taken once (at construction, before the transforms have run: some keep
-        state such as the last file name read) and kept for as long as ``self.transform`` is the same object,
-        in this process, in forked workers and in pickled copies (spawned workers) alike.
+        state such as the last file name read) and kept for as long as ``self.transform`` is the same object and
+        caches as many transforms, in this process, in forked workers and in pickled copies (spawned workers)
+        alike.
         """
         explicit = bool(self.transform_hash)
-        sig = (
-            explicit,
+        sig = (explicit, *self._variant_options())
+        cached = self._cached_transforms()
+        state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
+        if state.get("transform") is not self.transform or state.get("cached") != len(cached):
+            state["xform"] = chain_fingerprint(self.transform, cached)
+            state["transform"], state["cached"] = self.transform, len(cached)
+            state.pop("sig", None)
+        if state.get("sig") != sig:
+            xform = None if explicit else state["xform"]
+            state["key"] = fingerprint(
+                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, library_versions(), xform,
+                *sig,
+            )[:16]
+            state["sig"] = sig
+        return str(state["key"])
+
+    # hooks for subclasses that cache other transforms or store with other options (CacheNTransDataset)
+    def _cached_transforms(self) -> Sequence[Callable]:
+        """The transforms whose output an entry holds, fingerprinted in its name: MONAI's, up to the first random
+        one (or non-``Transform``)."""
+        return cacheable_transforms(self.transform)
+
+    def _variant_options(self) -> tuple:
+        """The options that change what an entry holds, part of its name."""
+        return (
             bool(self.track_meta),
             bool(self.reset_ops_id),
             bool(self.allow_pickle),
             tuple(sorted((k, str(v)) for k, v in self.lossy_dtypes.items())),
             bool(get_track_meta()),
         )
-        state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
-        if state.get("transform") is not self.transform or state.get("sig") != sig:
-            if state.get("transform") is not self.transform or "xform" not in state:
-                state["xform"] = chain_fingerprint(self.transform)
-            xform = None if explicit else state["xform"]
-            state["key"] = fingerprint(
-                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, library_versions(), xform,
-                *sig,
-            )[:16]
-            state["transform"] = self.transform
-            state["sig"] = sig
-        return str(state["key"])
 
     def _entry_key(self, item: Any) -> str:
         """The file name (without ``.mcache``) of ``item``'s entry: MONAI's name plus the variant."""
