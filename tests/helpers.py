@@ -4,6 +4,7 @@ across processes (by appending to a file), so tests can tell how often determini
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import socket
 import subprocess
@@ -152,3 +153,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_signature_extends(ours: type, theirs: type) -> list[str]:
+    """``ours.__init__`` takes every parameter of ``theirs.__init__`` in the same order, kind and default, and
+    adds only keyword-only ones (or ``**options``); returns the added names."""
+    params, monai_params = inspect.signature(ours.__init__).parameters, inspect.signature(theirs.__init__).parameters
+    assert list(params)[: len(monai_params)] == list(monai_params)
+    for name, p in monai_params.items():
+        assert params[name].default == p.default and params[name].kind == p.kind, name
+    extras = list(params)[len(monai_params) :]
+    added = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+    assert extras and all(params[n].kind in added for n in extras), extras
+    assert issubclass(ours, theirs)
+    return extras

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
-from helpers import KEYS, one_torch_thread, write_volumes  # noqa: F401 (an autouse fixture)
+from helpers import KEYS, assert_signature_extends, one_torch_thread, write_volumes  # noqa: F401 (an autouse fixture)
 from monai.data import CacheNTransDataset as MonaiCacheNTransDataset
 from monai.data import DataLoader, MetaTensor
 from monai.data import PersistentDataset as MonaiPersistentDataset
@@ -57,14 +55,7 @@ def entry_names(ds) -> list[str]:
 
 
 def test_signature_is_monais_plus_keyword_only_extras():
-    ours = inspect.signature(CacheNTransDataset.__init__).parameters
-    theirs = inspect.signature(MonaiCacheNTransDataset.__init__).parameters
-    assert list(ours)[: len(theirs)] == list(theirs)
-    for name, p in theirs.items():
-        assert ours[name].default == p.default and ours[name].kind == p.kind, name
-    extras = list(ours)[len(theirs) :]
-    KEYWORD_ONLY, VAR_KEYWORD = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
-    assert extras and all(ours[n].kind in (KEYWORD_ONLY, VAR_KEYWORD) for n in extras)
+    assert assert_signature_extends(CacheNTransDataset, MonaiCacheNTransDataset) == ["track_meta", "options"]
     # MONAI's class and our disk cache: isinstance checks for either hold
     assert CacheNTransDataset.__mro__[1:4] == (
         MonaiCacheNTransDataset, monai_cache.PersistentDataset, MonaiPersistentDataset,
