@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import pickle
 from collections.abc import Mapping
 
 import monai.apps
@@ -209,6 +210,10 @@ def test_our_options_reach_the_cache(shm_dir, mednist_root, tmp_path):
     assert isinstance(private._cache, list) and len(private._cache) == private.cache_num > 0
     for a, b in zip(placed, private):
         assert_same(a, b)
+    clone = pickle.loads(pickle.dumps(placed))  # what a spawned DataLoader worker gets: the same cache
+    assert clone._cache.path == placed._cache.path and clone.section == "test"
+    assert_same(clone[0], placed[0])
+    assert clone.cache_stats()["total"]["misses"] == placed.cache_num  # computed once, when it was filled
 
 
 @pytest.mark.parametrize("section", ["train", "Validation", ""])
