@@ -53,8 +53,8 @@ class CacheNTransDataset(_MonaiCacheNTransDataset, PersistentDataset):
     subclass of both (``isinstance(ds, monai.data.CacheNTransDataset)`` holds).
 
     As in MONAI, a random transform among the first ``cache_n_trans`` runs on a copy of itself for each item
-    (``Compose(..., threading=True)``), so its draws are frozen in the cache: the next epochs, and the next runs,
-    see the same ones.
+    (``Compose(..., threading=True)``): every item starts from the same random state and so gets the same draw,
+    which the cache keeps for the next epochs and runs.
 
     Differences from MONAI, all fixes:
 
