@@ -104,7 +104,9 @@ class CacheNTransDataset(_MonaiCacheNTransDataset, PersistentDataset):
             of MONAI's class (see above).
         options: the keyword-only options of :class:`monai_cache.PersistentDataset` (``async_writes``,
             ``compression``, ``compression_level``, ``compression_threads``, ``downcast``, ``lossy_dtypes``,
-            ``allow_pickle``, ``fsync``, ``max_pending_writes``, ``max_pending_bytes``), with the same meaning.
+            ``allow_pickle``, ``fsync``, ``max_pending_writes``, ``max_pending_bytes``, ``shared_dir``, and
+            ``shm_cache`` with ``shm_dir``, ``shm_budget``, ``keep_warm`` for a shared-memory copy in front of the
+            disk cache), with the same meaning.
     """
 
     def __init__(

@@ -210,6 +210,8 @@ def test_our_options_reach_the_cache(shm_dir, mednist_root, tmp_path):
     assert isinstance(private._cache, list) and len(private._cache) == private.cache_num > 0
     for a, b in zip(placed, private):
         assert_same(a, b)
+    tiered = MedNISTDataset(mednist_root, "validation", progress=False, cache_dir=tmp_path / "disk")
+    assert tiered.flush(30) and tiered.cache_stats()["disk"]["stored"]["entries"] == tiered.cache_num > 0
     clone = pickle.loads(pickle.dumps(placed))  # what a spawned DataLoader worker gets: the same cache
     assert clone._cache.path == placed._cache.path and clone.section == "test"
     assert_same(clone[0], placed[0])

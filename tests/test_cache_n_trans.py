@@ -120,6 +120,20 @@ def test_dataloader_workers_match_monais_first_epoch(nifti, tmp_path):
         assert_same(second[i], monai_first[i], f"second epoch {i}")
 
 
+def test_a_shared_memory_copy_in_front_of_the_disk_serves_the_same_items(nifti, tmp_path, shm_dir):
+    transform = chain()
+    plain = CacheNTransDataset(nifti, transform, 3, tmp_path / "plain", async_writes=False)
+    tiered = CacheNTransDataset(nifti, transform, 3, tmp_path / "tiered", shm_cache=True)
+    expected = epoch(plain)
+    for _ in range(2):
+        for i, got in enumerate(epoch(tiered)):
+            assert_same(expected[i], got, f"item {i}")
+    stats = tiered.cache_stats()
+    assert stats["stored"]["entries"] == stats["total"]["misses"] == stats["total"]["hits"] == len(nifti)
+    assert tiered.flush(30) and stats["disk"]["total"]["misses"] == len(nifti)
+    tiered.release()
+
+
 def test_entry_names_fingerprint_exactly_the_cached_transforms(nifti, tmp_path):
     base = entry_names(CacheNTransDataset(nifti, chain(), 3, tmp_path))
     # a changed transform after the cached ones: same entries (they do not hold its output)

@@ -9,6 +9,7 @@ reaches our ``set_data``, which builds the cache in shared memory. Our options a
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -73,6 +74,9 @@ class MedNISTDataset(_MonaiMedNISTDataset, CacheDataset):
         allow_pickle: cache values that the codec cannot store natively with pickle (off: never unpickles).
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options; give each
             section its own.
+        cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
+            so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
+        shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, or ``section`` is not one of the three.
@@ -102,9 +106,13 @@ class MedNISTDataset(_MonaiMedNISTDataset, CacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
         _check_section(section)
-        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+        )
         super().__init__(
             root_dir=root_dir,
             section=section,
@@ -170,6 +178,9 @@ class DecathlonDataset(_MonaiDecathlonDataset, CacheDataset):
         allow_pickle: cache values that the codec cannot store natively with pickle (off: never unpickles).
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options; give each
             section its own.
+        cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
+            so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
+        shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, ``section`` is not one of the three, or ``task`` is
@@ -200,9 +211,13 @@ class DecathlonDataset(_MonaiDecathlonDataset, CacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
         _check_section(section)
-        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+        )
         super().__init__(
             root_dir=root_dir,
             task=task,
@@ -275,6 +290,9 @@ class TciaDataset(_MonaiTciaDataset, CacheDataset):
         allow_pickle: cache values that the codec cannot store natively with pickle (off: never unpickles).
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options; give each
             section its own.
+        cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
+            so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
+        shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, or ``section`` is not one of the three.
@@ -320,9 +338,13 @@ class TciaDataset(_MonaiTciaDataset, CacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
         _check_section(section)
-        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+        )
         super().__init__(
             root_dir=root_dir,
             collection=collection,
