@@ -716,7 +716,8 @@ def test_removing_the_cache_dir_right_after_use_wins(tmp_path):
             assert ds.flush(30)  # the writer finished what it held: into the removed directory, or nowhere
             assert not os.path.lexists(tmp), "the cache directory was recreated"
             del ds
-        assert mc_warnings(rec) == []
+        # (warnings of other tests' datasets, still finishing in the background, may be recorded here too)
+        assert [m for m in mc_warnings(rec) if str(tmp_path) in m] == []
     assert errors == []
     assert os.listdir(tmp_path) == []
     # the hazard was there: in most rounds writes were still pending when the directory went
