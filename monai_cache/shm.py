@@ -86,6 +86,9 @@ class SharedMemoryStore:
         verify: check every read against the data checksum too. Off by default: entries are published only
             once complete, so a crash cannot damage them, and the header and layout are always validated;
             a full check costs about 1 ms per MB read.
+        pack: pack entries under 1 MiB one after another into segments (default). ``False`` gives every entry a
+            file of its own, so that :meth:`remove` gives its memory back at once (for caches whose entries come
+            and go, such as ``SmartCacheDataset``'s).
     """
 
     __slots__ = (
@@ -98,6 +101,7 @@ class SharedMemoryStore:
         "_finalizer",
         "_keep",
         "_length",
+        "_pack",
         "_pid",
         "_released",
         "_removed",
@@ -121,6 +125,7 @@ class SharedMemoryStore:
         reserve: int | str | None = None,
         describe: Callable[[int], str] | None = None,
         verify: bool = False,
+        pack: bool = True,
     ) -> None:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"invalid cache key {key!r}")
@@ -135,6 +140,7 @@ class SharedMemoryStore:
         self._allow_pickle = bool(allow_pickle)
         self._describe = describe
         self._verify = bool(verify)
+        self._pack = bool(pack)
         self._dir = acquire(cache_root(self._shm_dir), key, self._keep)
         self._pid = os.getpid()
         # Every store (a dataset's, or a copy unpickled or deep-copied in this process) gives its reference
@@ -151,7 +157,7 @@ class SharedMemoryStore:
         return (
             _attach,
             (self.key, self._length, self._shm_dir, self._budget, self._allow_pickle, self._reserve, self._describe,
-             self._verify),
+             self._verify, self._pack),
         )
 
     # -- sequence protocol (what MONAI's CacheDataset expects of ``_cache``) --
@@ -303,7 +309,7 @@ class SharedMemoryStore:
         if not self._reserve_space(size):
             return False
         try:
-            if size < STANDALONE_MIN:
+            if size < STANDALONE_MIN and self._pack:
                 seg, offset = self._dir.append(enc.chunks(), size)
             else:
                 seg, offset = STANDALONE, 0
@@ -511,12 +517,12 @@ class SharedMemoryStore:
 
 def _attach(
     key: str, length: int, shm_dir: str, budget: int | None, allow_pickle: bool, reserve: int | None,
-    describe: Callable[[int], str] | None, verify: bool,
+    describe: Callable[[int], str] | None, verify: bool, pack: bool = True,
 ) -> SharedMemoryStore:
     """A spawned worker's store: the same cache, reopened (with a lease of its own)."""
     return SharedMemoryStore(
         key, length, shm_dir=shm_dir, budget=budget, allow_pickle=allow_pickle, reserve=reserve,
-        describe=describe, verify=verify,
+        describe=describe, verify=verify, pack=pack,
     )
 
 
