@@ -62,12 +62,13 @@ def test_same_items_as_monai_at_every_update(shm_dir, volumes, shuffle, replace_
 def test_monais_argument_errors(shm_dir):
     for bad, error in ((dict(replace_rate=0), ValueError), (dict(runtime_cache=True), NotImplementedError)):
         with pytest.raises(error) as monai_error:
-            monai.data.SmartCacheDataset(numbered(4), progress=False, **bad)
+            monai.data.SmartCacheDataset(numbered(4), cache_num=2, progress=False, **bad)
         with pytest.raises(error, match=str(monai_error.value).replace("(", r"\(").replace(")", r"\)")):
-            monai_cache.SmartCacheDataset(numbered(4), progress=False, **bad)
+            monai_cache.SmartCacheDataset(numbered(4), cache_num=2, progress=False, **bad)
 
 
-def test_smartcache_handler_drives_it_in_an_ignite_run(shm_dir):
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_smartcache_handler_drives_it_in_an_ignite_run(shm_dir, shared_memory):
     from ignite.engine import Engine, Events
     from monai.handlers import SmartCacheHandler
 
@@ -80,8 +81,9 @@ def test_smartcache_handler_drives_it_in_an_ignite_run(shm_dir):
         return seen
 
     kw = dict(replace_rate=0.25, cache_num=4, seed=2, progress=False)
-    ours = monai_cache.SmartCacheDataset(numbered(10), **kw)
+    ours = monai_cache.SmartCacheDataset(numbered(10), shared_memory=shared_memory, **kw)
     assert epochs(ours) == epochs(monai.data.SmartCacheDataset(numbered(10), **kw))
+    assert isinstance(ours._cache, monai_cache.SharedMemoryStore) == shared_memory
     assert not ours.is_started()  # the handler shut it down
 
 
@@ -109,7 +111,8 @@ def test_set_data_of_another_length_starts_its_own_schedule(shm_dir):
     ours = monai_cache.SmartCacheDataset(numbered(10), **kw)
     ours.start()
     ours.update_cache()
-    ours.set_data(numbered(6))  # MONAI keeps 10 as the length: its thread indexes past the new data, forever
+    with pytest.warns(UserWarning, match="not shutdown yet"):  # MONAI's warning: shut down for you
+        ours.set_data(numbered(6))  # MONAI keeps 10 as the length: its thread indexes past the new data, forever
     ref = monai.data.SmartCacheDataset(numbered(6), **kw)
     ref.start()
     ours.start()
