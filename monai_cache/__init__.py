@@ -1,7 +1,7 @@
 """monai_cache: drop-in replacements for MONAI's caching datasets.
 
-``from monai_cache import CacheDataset, PersistentDataset`` replaces the ``monai.data`` import: one
-shared-memory cache per machine, an asynchronous compact disk cache, and a shard-local sampler.
+``from monai_cache import CacheDataset, PersistentDataset, SmartCacheDataset`` replaces the ``monai.data`` import:
+one shared-memory cache per machine, an asynchronous compact disk cache, and a shard-local sampler.
 
 Names are imported lazily, so that ``monai_cache.shm`` or the command line start without importing
 MONAI (which takes seconds).
@@ -18,6 +18,7 @@ _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
     "PersistentDataset": "monai_cache.persistent",
     "CacheNTransDataset": "monai_cache.cache_n_trans",
+    "SmartCacheDataset": "monai_cache.smartcache",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "DiskStore": "monai_cache.disk",
@@ -42,6 +43,7 @@ __all__ = [
     "PersistentDataset",
     "SharedMemoryStore",
     "ShardedDistributedSampler",
+    "SmartCacheDataset",
     "UncachedItemWarning",
     "UnsupportedValueError",
     "__version__",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
+    from monai_cache.smartcache import SmartCacheDataset
 
 
 def __getattr__(name: str) -> Any:

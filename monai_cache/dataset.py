@@ -137,6 +137,9 @@ class CacheDataset(_MonaiCacheDataset):
             ``monai_cache.PersistentDataset``).
     """
 
+    _pack_entries = True
+    """Whether the store packs small entries into segments (``SharedMemoryStore(pack=...)``)."""
+
     def __init__(
         self,
         data: Sequence,
@@ -232,6 +235,11 @@ class CacheDataset(_MonaiCacheDataset):
         self._cache_data_index = np.asarray(indices, dtype=np.int64)
         return indices
 
+    def _store_length(self) -> int:
+        """Entries of the shared-memory store: one per cache position (a negative cache_num / cache_rate caches
+        nothing, as in MONAI)."""
+        return max(0, self.cache_num)
+
     def _fingerprint(self) -> str:
         generation = (self._generation,) if self._generation else ()  # generation 0 keeps the plain key
         if self.cache_key is not None:
@@ -279,13 +287,14 @@ class CacheDataset(_MonaiCacheDataset):
         indices = self._plan(data)
         store = SharedMemoryStore(
             self._fingerprint(),
-            max(0, self.cache_num),  # a negative cache_num / cache_rate caches nothing, as in MONAI
+            self._store_length(),
             shm_dir=self.shm_dir,
             budget=self.shm_budget,
             keep_warm=self.keep_warm,
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
             disk_tier=self.cache_dir,
+            pack=self._pack_entries,
         )
         # list-like, as MONAI's runtime_cache containers; the store gives its entries back when it is collected
         # with this dataset (the last process using them removes them)
@@ -320,22 +329,50 @@ class CacheDataset(_MonaiCacheDataset):
         if self.progress and not _has_tqdm:  # pragma: no cover
             warnings.warn("tqdm is not installed, will not show the caching progress bar.", stacklevel=2)
 
-        def fill(job: tuple[int, int]) -> tuple[int, int] | None:
-            slot, data_index = job
-            return None if store.fill(slot, self._computer(data_index)) else job
-
         # Only the entries not cached yet: a process joining a filled cache starts at once.
-        jobs = [(slot, indices[slot]) for slot in store.missing()]
-        with ThreadPool(self.num_workers) as pool:
-            results = pool.imap(fill, jobs)
-            if self.progress and _has_tqdm:
-                results = tqdm(results, total=len(jobs), desc="Loading dataset")
-            deferred = [job for job in results if job is not None]
-        for slot, data_index in deferred:  # entries other processes were computing: wait, then make sure
-            while not store.fill(slot, self._computer(data_index)):
-                store.wait_for(slot)
+        self._fill_entries(store, self._fill_jobs(store, indices), self.num_workers, self.progress and _has_tqdm)
         _release_freed_memory()
         return store
+
+    def _fill_entries(
+        self,
+        store: SharedMemoryStore,
+        jobs: Sequence[tuple[int, int]],
+        threads: int | None,
+        progress: bool = False,
+        load: Callable[[int], Any] | None = None,
+    ) -> None:
+        """Compute and publish entries with ``threads`` threads, split with the other processes filling them: an
+        entry another process is computing is skipped and waited for at the end, so none is computed twice.
+
+        Args:
+            store: the shared-memory store.
+            jobs: ``(entry, data index)`` pairs.
+            threads: worker threads (``None``: one per CPU).
+            progress: show a progress bar.
+            load: computes the item of a data index (default: :meth:`_load_cache_item`, through the disk tier if
+                there is one).
+        """
+        def make(data_index: int) -> Callable[[], Any]:
+            return self._computer(data_index) if load is None else partial(load, data_index)
+
+        def fill(job: tuple[int, int]) -> tuple[int, int] | None:
+            entry, data_index = job
+            return None if store.fill(entry, make(data_index)) else job
+
+        with ThreadPool(threads) as pool:
+            results = pool.imap(fill, jobs)
+            if progress:
+                results = tqdm(results, total=len(jobs), desc="Loading dataset")
+            deferred = [job for job in results if job is not None]
+        for entry, data_index in deferred:  # entries other processes were computing: wait, then make sure
+            while not store.fill(entry, make(data_index)):
+                store.wait_for(entry)
+
+    def _fill_jobs(self, store: SharedMemoryStore, indices: Sequence[int]) -> list[tuple[int, int]]:
+        """``(entry, data index)`` of the entries to fill that no process has published yet: entry ``k`` holds
+        ``indices[k]`` (a subclass whose entries are keyed otherwise overrides this)."""
+        return [(slot, indices[slot]) for slot in store.missing()]
 
     def _computer(self, data_index: int) -> Callable[[], Any]:
         """What fills a missing shared-memory entry: the cached transforms, or, with a disk tier, its entry on

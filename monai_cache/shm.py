@@ -88,6 +88,9 @@ class SharedMemoryStore:
             a full check costs about 1 ms per MB read.
         disk_tier: the disk cache directory behind this cache, if any (a dataset with two tiers): recorded in the
             cache's directory, so that ``monai-cache ls``, ``info`` and ``clear`` show and treat the tiers together.
+        pack: pack entries under 1 MiB one after another into segments (default). ``False`` gives every entry a
+            file of its own, so that :meth:`remove` gives its memory back at once (for caches whose entries come
+            and go, such as ``SmartCacheDataset``'s).
     """
 
     __slots__ = (
@@ -100,6 +103,7 @@ class SharedMemoryStore:
         "_finalizer",
         "_keep",
         "_length",
+        "_pack",
         "_pid",
         "_released",
         "_removed",
@@ -124,6 +128,7 @@ class SharedMemoryStore:
         describe: Callable[[int], str] | None = None,
         verify: bool = False,
         disk_tier: str | None = None,
+        pack: bool = True,
     ) -> None:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"invalid cache key {key!r}")
@@ -138,6 +143,7 @@ class SharedMemoryStore:
         self._allow_pickle = bool(allow_pickle)
         self._describe = describe
         self._verify = bool(verify)
+        self._pack = bool(pack)
         self._dir = acquire(cache_root(self._shm_dir), key, self._keep)
         if disk_tier is not None:
             self._dir.record_disk_tier(disk_tier)
@@ -156,7 +162,7 @@ class SharedMemoryStore:
         return (
             _attach,
             (self.key, self._length, self._shm_dir, self._budget, self._allow_pickle, self._reserve, self._describe,
-             self._verify),
+             self._verify, self._pack),
         )
 
     # -- sequence protocol (what MONAI's CacheDataset expects of ``_cache``) --
@@ -308,7 +314,7 @@ class SharedMemoryStore:
         if not self._reserve_space(size):
             return False
         try:
-            if size < STANDALONE_MIN:
+            if size < STANDALONE_MIN and self._pack:
                 seg, offset = self._dir.append(enc.chunks(), size)
             else:
                 seg, offset = STANDALONE, 0
@@ -516,12 +522,12 @@ class SharedMemoryStore:
 
 def _attach(
     key: str, length: int, shm_dir: str, budget: int | None, allow_pickle: bool, reserve: int | None,
-    describe: Callable[[int], str] | None, verify: bool,
+    describe: Callable[[int], str] | None, verify: bool, pack: bool = True,
 ) -> SharedMemoryStore:
     """A spawned worker's store: the same cache, reopened (with a lease of its own)."""
     return SharedMemoryStore(
         key, length, shm_dir=shm_dir, budget=budget, allow_pickle=allow_pickle, reserve=reserve,
-        describe=describe, verify=verify,
+        describe=describe, verify=verify, pack=pack,
     )
 
 

@@ -12,7 +12,9 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
             locks                      byte i is OFD-locked while someone computes entry i
             index                      a 32-byte slot per entry: where it lives, its tag and checksum
             s.<n>                      a segment: small entries (under STANDALONE_MIN) one after another
-            <i>.e                      entry i when it is STANDALONE_MIN bytes or larger: a file of its own
+            <i>.e                      entry i when it is STANDALONE_MIN bytes or larger (any size in a store
+                                       made with pack=False): a file of its own
+            window.<pid>.<token>       a SmartCacheDataset's window (monai_cache.shm_window)
             .e<i>.<host>.<pid>.w<n>.tmp  a large entry being written; renamed to <i>.e when complete
 
 :class:`CacheDirectory` is one process's handle on one such directory (one per process and cache, shared by

@@ -16,14 +16,14 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "c
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch_ranks(world: int, args: list[str]) -> list[dict]:
-    """Start ``world`` ranks as independent processes with torchrun's environment variables."""
+def launch_ranks(world: int, args: list[str], script: str = SCRIPT) -> list[dict]:
+    """Start ``world`` ranks of ``script`` as independent processes with torchrun's environment variables."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
