@@ -464,7 +464,7 @@ def main() -> None:
         json.dump({"rows": rows, "large": large, "budget": budget, "seconds": time.perf_counter() - t0,
                    "cpus": os.cpu_count()}, f, indent=1)
     text = report(rows, large, budget, args.out)
-    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by `monai-cache bench`
+    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by benchmarks/report.py
         f.write(text + "\n")
     print(text)
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -2,7 +2,7 @@
 
 Each subcommand lives in a ``_cmd_<name>`` pair of functions registered in :data:`COMMANDS`: one adds its
 options to an ``argparse`` subparser, the other runs it and returns the exit status. To add a command
-(``bench``, ``info``, ``verify`` ...), write the two functions and add one :class:`Command` line.
+(``info``, ``verify`` ...), write the two functions and add one :class:`Command` line.
 """
 
 from __future__ import annotations
@@ -302,33 +302,12 @@ def _verify_run(args: argparse.Namespace) -> int:
     return 1 if result["bad"] or any(tier["bad"] for tier in tiers) else 0
 
 
-# -- bench --------------------------------------------------------------------------------------------------
-
-
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from monai_cache import bench
-
-    bench.add_arguments(parser)
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    from monai_cache import bench
-
-    return bench.run(args)
-
-
 COMMANDS: list[Command] = [
     Command(
         "demo",
         "MONAI vs monai_cache on a small distributed job with synthetic CT (no downloads)",
         _demo_arguments,
         _demo_run,
-    ),
-    Command(
-        "bench",
-        "run the benchmarks (stock MONAI vs monai_cache in the same run); write docs/benchmarks.md and plots",
-        _bench_arguments,
-        _bench_run,
     ),
     Command("ls", "list this user's shared-memory caches", _shm_dir_argument, _ls_run),
     Command(
