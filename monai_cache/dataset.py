@@ -45,6 +45,18 @@ def _release_freed_memory() -> None:
         pass
 
 
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), os.PathLike)
+
+
+def _immutable_leaves(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is dicts, lists and tuples of strings, numbers and paths only (at most 8 levels deep)."""
+    if isinstance(value, _IMMUTABLE):
+        return True
+    if depth < 8 and isinstance(value, (dict, list, tuple)):
+        return all(_immutable_leaves(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
 class _EntryName:
     """Names a cache entry in warnings by its data index (picklable, for spawned workers)."""
 
@@ -374,6 +386,12 @@ class CacheDataset(_MonaiCacheDataset):
         ``indices[k]`` (a subclass whose entries are keyed otherwise overrides this)."""
         return [(slot, indices[slot]) for slot in store.missing()]
 
+    def _computes_private(self, data_index: int) -> bool:
+        """Whether what :meth:`_load_cache_item` computes for ``data_index`` shares no mutable object with the data,
+        so that a miss may return it as it is (rather than decode what was just stored): the data item is dicts,
+        lists and tuples of strings, numbers and paths (a file list's item), which ``as_contiguous`` rebuilds."""
+        return self.as_contiguous is True and _immutable_leaves(self.data[data_index])
+
     def _computer(self, data_index: int) -> Callable[[], Any]:
         """What fills a missing shared-memory entry: the cached transforms, or, with a disk tier, its entry on
         disk (read, or computed and written there)."""
@@ -428,7 +446,9 @@ class CacheDataset(_MonaiCacheDataset):
         if isinstance(self._cache, SharedMemoryStore):
             # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
             # so no deep copy is needed whatever copy_cache says
-            data = self._cache.get_or_compute(cache_index, self._computer(data_index))
+            data = self._cache.get_or_compute(
+                cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
+            )
             private = True
         else:
             data = self._cache[cache_index]

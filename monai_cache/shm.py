@@ -83,9 +83,10 @@ class SharedMemoryStore:
         reserve: bytes of ``shm_dir`` left free for others (DataLoader workers pass batches through
             ``/dev/shm``); by default the smaller of 512 MiB and a quarter of its size.
         describe: how warnings name an entry, e.g. ``lambda i: f"item {i}"``.
-        verify: check every read against the data checksum too. Off by default: entries are published only
-            once complete, so a crash cannot damage them, and the header and layout are always validated;
-            a full check costs about 1 ms per MB read.
+        verify: record a checksum of the data of every entry written, and check it on every read. Off by
+            default: entries are published only once complete, so a crash cannot damage them, and the header and
+            layout are always validated; a full check costs about 1 ms per MB written and read. (Entries written
+            by a store without ``verify`` carry no data checksum, so a ``verify`` reader of them checks the rest.)
         disk_tier: the disk cache directory behind this cache, if any (a dataset with two tiers): recorded in the
             cache's directory, so that ``monai-cache ls``, ``info`` and ``clear`` show and treat the tiers together.
         pack: pack entries under 1 MiB one after another into segments (default). ``False`` gives every entry a
@@ -313,14 +314,18 @@ class SharedMemoryStore:
         size = enc.nbytes
         if not self._reserve_space(size):
             return False
+        # The data CRC costs a pass over every byte written (about 5 ms for a 19 MB volume): it is recorded only
+        # by stores that check it on every read (verify=True); a published entry cannot be half written anyway.
+        with_crc = self._verify
         try:
             if size < STANDALONE_MIN and self._pack:
-                seg, offset = self._dir.append(enc.chunks(), size)
+                seg, offset = self._dir.append(enc.chunks(data_crc=with_crc), size)
             else:
                 seg, offset = STANDALONE, 0
-                self._dir.write_entry_file(i, enc.chunks(), size)
+                self._dir.write_entry_file(i, enc.chunks(data_crc=with_crc), size)
             # Publish: the data is complete before the slot that points to it is written.
-            self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(codec.blob_identity(enc.prefix()), i)))
+            identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
+            self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(identity, i)))
         except OSError as e:
             self._dir.counters.add({"bytes": -size})
             self._count(skipped=1)
@@ -381,16 +386,21 @@ class SharedMemoryStore:
             stacklevel=4,
         )
 
-    def get_or_compute(self, index: int, compute: Callable[[], Any]) -> Any:
+    def get_or_compute(self, index: int, compute: Callable[[], Any], reuse_computed: bool = False) -> Any:
         """Return entry ``index``, computing and publishing it if missing; computed once across processes.
 
         Args:
             index: entry index.
             compute: makes the item when it is missing.
+            reuse_computed: on a miss, return the computed object itself once it is published, rather than a
+                decoded view of what was written (the same values: the codec is exact). Saves a read and, for
+                a large entry, the page faults of mapping it; only for callers whose computed objects share no
+                mutable memory with anything else, since the caller may change what it gets.
 
         Returns:
-            the item: decoded from shared memory when it could be published, else the computed object
-            (also after :meth:`release`, or once the cache was removed under this process).
+            the item: decoded from shared memory when it could be published (or, with ``reuse_computed``, the
+            computed object), else the computed object (also after :meth:`release`, or once the cache was
+            removed under this process).
         """
         i = self._check_index(index)
         if i in self._unsupported or self._released or self._removed:
@@ -398,7 +408,7 @@ class SharedMemoryStore:
             return compute()
         computed: list[Any] = []
         try:
-            return self._get_or_compute(i, compute, computed)
+            return self._get_or_compute(i, compute, computed, reuse_computed)
         except FileNotFoundError:
             if not self._cache_removed():
                 raise  # not ours (e.g. the transforms' input file is missing)
@@ -407,7 +417,7 @@ class SharedMemoryStore:
             self._counts["misses"] += 1
             return compute()
 
-    def _get_or_compute(self, i: int, compute: Callable[[], Any], computed: list[Any]) -> Any:
+    def _get_or_compute(self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool) -> Any:
         item = self._read(i)
         if item is not _MISSING:
             return item
@@ -421,7 +431,7 @@ class SharedMemoryStore:
             self._count(misses=1)
             value = compute()
             computed.append(value)
-            if not self._write_computed(i, value):
+            if not self._write_computed(i, value) or reuse:
                 return value
         item = self._read(i, count=False)
         return value if item is _MISSING else item
