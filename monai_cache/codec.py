@@ -444,11 +444,12 @@ def encode(
     return out
 
 
-def blob_identity(blob: memoryview | bytes | bytearray) -> bytes:
-    """The blob's total length and the checksums of its header and data (16 bytes of its prefix): what tells
-    one encoded item from another without reading it (the shared-memory index binds entries to it). Empty for a
-    blob too short to have a prefix."""
-    return bytes(blob[24:40]) if len(blob) >= PREFIX_SIZE else b""
+def blob_identity(blob: memoryview | bytes | bytearray) -> memoryview:
+    """The blob's total length and the checksums of its header and data (16 bytes of its prefix, a view: no
+    copy): what tells one encoded item from another without reading it (the shared-memory index binds entries to
+    it). Empty for a blob too short to have a prefix."""
+    view = memoryview(blob)
+    return view[24:40] if view.nbytes >= PREFIX_SIZE else view[:0]
 
 
 def item_nbytes(item: Any, depth: int = 0) -> int:

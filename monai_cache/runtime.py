@@ -77,6 +77,14 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+_my_pid = os.getpid()
+
+
+def _pid() -> int:
+    """This process's id, without a system call (updated in forked children)."""
+    return _my_pid
+
+
 _registered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 _exit_hook_pid = -1
@@ -125,7 +133,8 @@ def _run_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _registry_lock
+    global _registry_lock, _my_pid
+    _my_pid = os.getpid()
     _registry_lock = threading.Lock()  # another thread of the parent may have held it
     for obj in list(_registered):
         obj._after_fork_in_child()
@@ -420,8 +429,8 @@ class SharedCounters:
 
     def count_read(self, nbytes: int) -> None:
         """``hits += 1`` and ``bytes_read += nbytes``, in this process's own slot: no system call once claimed."""
-        with self._thread_lock():
-            if self._slot_pid != os.getpid():
+        with self._lock if self._thread_lock_pid == _pid() else self._thread_lock():
+            if self._slot_pid != _pid():
                 self._claim_slot()
             off = self._slot
             if off >= 0 and not self._map.closed:

@@ -59,9 +59,19 @@ from monai_cache.utils import format_bytes, parse_bytes
 
 __all__ = ["SharedMemoryStore", "cache_root", "default_shm_dir", "list_caches", "remove_cache"]
 
-# The codec imports torch (seconds), so it is imported where an entry is read or written: ``monai-cache ls`` and
-# ``clear`` need none of it.
 _MISSING = object()
+_codec_module: Any = None
+
+
+def _codec() -> Any:
+    """The codec module, imported at the first read or write: it imports torch (seconds), which ``monai-cache ls``
+    and ``clear`` do not need."""
+    global _codec_module
+    if _codec_module is None:
+        from monai_cache import codec
+
+        _codec_module = codec
+    return _codec_module
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
 
 
@@ -263,17 +273,18 @@ class SharedMemoryStore:
         return memoryview(buf) if got == slot.length else memoryview(b"")  # short: past the segment's end
 
     def _read(self, i: int, count: bool = True) -> Any:
-        slot = self._dir.read_slot(i)
+        # The hit path: kept flat (every call and attribute lookup shows in reads of small entries).
+        directory = self._dir
+        slot = directory.read_slot(i)
         if slot is None:
             return _MISSING
-        if not isinstance(slot, Slot):
+        if slot.__class__ is not Slot:
             self._discard_corrupt(i, slot, "damaged index slot")
             return _MISSING
         view = self._map(i, slot)
         if view is None:
             return _MISSING
-        from monai_cache import codec
-
+        codec = _codec()
         if entry_tag(codec.blob_identity(view), i) != slot.tag:
             self._discard_corrupt(i, slot, "its index slot points at data that is not this entry's")
             return _MISSING
@@ -283,9 +294,10 @@ class SharedMemoryStore:
             self._discard_corrupt(i, slot, str(e))
             return _MISSING
         if count:
-            self._counts["hits"] += 1
-            self._counts["bytes_read"] += view.nbytes
-            self._dir.counters.count_read(view.nbytes)
+            counts = self._counts
+            counts["hits"] += 1
+            counts["bytes_read"] += view.nbytes
+            directory.counters.count_read(view.nbytes)
         return item
 
     def _discard_corrupt(self, i: int, slot: Any, why: str) -> None:

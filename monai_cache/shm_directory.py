@@ -114,7 +114,7 @@ CORRUPT = _Corrupt()
 """What :meth:`CacheDirectory.read_slot` returns for a damaged slot."""
 
 
-def entry_tag(identity: bytes, i: int) -> int:
+def entry_tag(identity: bytes | memoryview, i: int) -> int:
     """The tag of entry ``i`` whose blob has ``identity`` (:func:`monai_cache.codec.blob_identity`): a slot
     copied from another entry, or pointing at other data, does not match."""
     return zlib.crc32(i.to_bytes(8, "little"), zlib.crc32(identity))
@@ -306,7 +306,7 @@ class CacheDirectory:
         if len(raw) < SLOT_SIZE or raw == _EMPTY_SLOT:
             return None
         seg, tag, offset, length, _reserved, check = _SLOT.unpack(raw)
-        if check != zlib.crc32(raw[: SLOT_SIZE - 4] + i.to_bytes(8, "little")):
+        if check != zlib.crc32(i.to_bytes(8, "little"), zlib.crc32(memoryview(raw)[: SLOT_SIZE - 4])):
             return CORRUPT
         return Slot(seg, offset, length, tag)
 
