@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -182,7 +183,8 @@ class DiskStore:
     """
 
     __slots__ = (
-        "__weakref__", "_bad_reported", "_counts", "_describe", "_disabled", "_files", "_packs", "_pid", "_shared",
+        "__weakref__", "_bad_reported", "_counts", "_describe", "_disabled", "_failing", "_files", "_packs", "_pid",
+        "_shared",
         "_unsupported", "_warned_io", "_writer", "allow_pickle", "async_writes", "compression",
         "compression_level", "compression_threads", "directory", "downcast", "fsync", "lossy", "max_pending_bytes",
         "max_pending_writes", "pack_limit", "shared", "writable",
@@ -273,6 +275,7 @@ class DiskStore:
         self._unsupported: set[str] = set()
         self._disabled: str | None = disabled if self.writable else "read-only store"
         self._warned_io = False
+        self._failing = threading.Lock()  # the writer thread and a reserving caller can fail at the same time
 
     def _after_fork_in_child(self) -> None:
         # The parent writes and publishes what it queued; the child starts its own writer and pack. What the
@@ -744,6 +747,14 @@ class DiskStore:
         self._files = None
 
     def _write_failed(self, key: str, e: OSError, size: int) -> None:
+        with self._failing:
+            stops_writes = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+            if stops_writes and self._disabled is not None:
+                self._count(skipped=1)  # in flight when another write failed and stopped writes: one cause, one error
+                return
+            self._report_write_failure(key, e, size)
+
+    def _report_write_failure(self, key: str, e: OSError, size: int) -> None:
         self._count(write_errors=1)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             self._disable(
