@@ -94,14 +94,8 @@ def _shm_caches(shm_dir: str | None) -> list[dict[str, Any]]:
     return caches
 
 
-def _print_table(rows: list[list[str]], left: int = 1) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-
-
 def _ls_run(args: argparse.Namespace) -> int:
-    from monai_cache.utils import format_bytes
+    from monai_cache.utils import format_bytes, format_table
 
     try:
         caches = _shm_caches(args.shm_dir)
@@ -128,7 +122,7 @@ def _ls_run(args: argparse.Namespace) -> int:
         ]
         for c in caches
     ]
-    _print_table(rows, left=2)
+    print(format_table(rows, left=2))
     total = sum(c["bytes"] for c in caches)
     print(f"{len(caches)} cache(s), {format_bytes(total)} in {os.path.dirname(caches[0]['path'])}")
     return 0

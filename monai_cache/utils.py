@@ -1,10 +1,11 @@
-"""Byte sizes: parsing ``"8GiB"`` and printing ``1.5 KiB``."""
+"""Byte sizes (parsing ``"8GiB"``, printing ``1.5 KiB``) and text tables, for the command line and the demo."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "format_table", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -41,3 +42,23 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def format_table(rows: Sequence[Sequence[str]], left: int = 1, markdown: bool = False, rule: bool = False) -> str:
+    """Rows of cells as aligned text, or as a Markdown table; the first row is the header.
+
+    Args:
+        rows: the header, then the body; every row has as many cells as the header.
+        left: how many leading columns are aligned left (the others are aligned right).
+        markdown: a Markdown table instead of aligned text.
+        rule: a line of dashes under the header (aligned text only).
+    """
+    if markdown:
+        align = ["---"] * left + ["---:"] * (len(rows[0]) - left)
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join([lines[0], "|" + "|".join(align) + "|", *lines[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
