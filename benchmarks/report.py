@@ -8,12 +8,14 @@ package): ``bench_cache.py`` (CacheDataset: time to first batch, epoch times, me
 (ShardedDistributedSampler: hit rate, epoch time) and ``bench_scale.py`` (many small items and one large
 item; ``--quick`` runs 2,000 items and no large item, the full mode that script's ``--quick`` sizes, up to
 10,000 items and 256 MiB; its 100,000-item, 2 GiB run takes about 15 minutes and is run by hand, see
-docs/scale.md). Each runs as a subprocess; every ratio in their tables
+docs/scale.md), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks) and
+``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
+``CacheDataset(cache_dir=...)`` against a cold start). Each runs as a subprocess; every ratio in their tables
 is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
 describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
 (epoch time per epoch, memory across processes, bytes on disk per item).
 
-``--quick`` runs reduced versions that finish in about a minute (75 s measured) on an idle 2-core machine.
+``--quick`` runs reduced versions that finish in a few minutes on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "smartcache", "tiers")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -115,7 +117,13 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         scale += ["--sizes", "2000", "--variants", "ours-cache", "monai-cache", "--workers", "2", "--large-mb", "0"]
     else:
         scale += ["--quick"]
-    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale}
+    smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
+    tiers = [py, str(bench_dir / "bench_tiers.py"), "--out", str(work / "tiers")]
+    if quick:
+        smartcache += ["--quick", "--repeats", "1"]
+        tiers += ["--quick"]
+    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "smartcache": smartcache,
+            "tiers": tiers}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -267,6 +275,9 @@ _TITLES = {
     "persistent": "PersistentDataset (disk) — `benchmarks/bench_persistent.py`",
     "sampler": "ShardedDistributedSampler — `benchmarks/bench_sampler.py`",
     "scale": "Scale: many small items, one large item — `benchmarks/bench_scale.py` (details: [scale.md](scale.md))",
+    "smartcache": "SmartCacheDataset — `benchmarks/bench_smartcache.py` (details: [smartcache.md](smartcache.md))",
+    "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `benchmarks/bench_tiers.py` "
+    "(details: [tiers.md](tiers.md))",
 }
 
 
@@ -371,7 +382,7 @@ def _demote_headings(text: str) -> str:
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python benchmarks/report.py``."""
-    parser.add_argument("--quick", action="store_true", help="reduced sizes: about a minute in all")
+    parser.add_argument("--quick", action="store_true", help="reduced sizes: a few minutes in all")
     parser.add_argument(
         "--only",
         default=",".join(BENCHMARKS),
@@ -438,6 +449,9 @@ def run(args: argparse.Namespace) -> int:
                 md = work / "scale" / "report.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
                 r["plot"] = work / "scale" / "bench_scale.png"
+            elif name in ("smartcache", "tiers"):
+                md = work / name / f"bench_{name}.md"
+                r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
             if rc != 0:
                 failed.append(name)
                 print(f"report.py: {name} failed with exit status {rc}", file=sys.stderr)
