@@ -446,9 +446,11 @@ class CacheDataset(_MonaiCacheDataset):
         if isinstance(self._cache, SharedMemoryStore):
             # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
             # so no deep copy is needed whatever copy_cache says
-            data = self._cache.get_or_compute(
-                cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
-            )
+            data = self._cache[cache_index]  # a hit costs one read; what a miss needs is worked out on a miss
+            if data is None:
+                data = self._cache.get_or_compute(
+                    cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
+                )
             private = True
         else:
             data = self._cache[cache_index]
