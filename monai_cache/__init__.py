@@ -1,7 +1,8 @@
 """monai_cache: drop-in replacements for MONAI's caching datasets.
 
-``from monai_cache import CacheDataset, PersistentDataset`` replaces the ``monai.data`` import: one
-shared-memory cache per machine, an asynchronous compact disk cache, and a shard-local sampler.
+``from monai_cache import CacheDataset, PersistentDataset, DataLoader`` replaces the ``monai.data`` import: one
+shared-memory cache per machine, an asynchronous compact disk cache, a shard-local sampler, and a DataLoader
+whose workers hand each batch over as one shared-memory block.
 
 Names are imported lazily, so that ``monai_cache.shm`` or the command line start without importing
 MONAI (which takes seconds).
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
+    "DataLoader": "monai_cache.loader",
     "PersistentDataset": "monai_cache.persistent",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
@@ -26,6 +28,7 @@ _EXPORTS = {
 __all__ = [
     "CacheDataset",
     "CorruptEntryError",
+    "DataLoader",
     "PersistentDataset",
     "SharedMemoryStore",
     "ShardedDistributedSampler",
@@ -36,6 +39,7 @@ __all__ = [
 if TYPE_CHECKING:
     from monai_cache.codec import CorruptEntryError, UnsupportedValueError
     from monai_cache.dataset import CacheDataset
+    from monai_cache.loader import DataLoader
     from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
