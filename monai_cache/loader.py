@@ -438,6 +438,9 @@ class _Pool:
         self.closed = True
         self.give([], 0)
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Pool, ()  # a copied or pickled loader starts with an empty pool of its own
+
 
 _warned: set[tuple[str, str]] = set()
 

@@ -264,17 +264,29 @@ def test_batches_the_codec_cannot_store_take_torch_path_with_one_warning():
     assert sum(in_block(b) for b in kept) == 2 * MAX_SEGMENTS
 
 
-def test_works_with_a_64mb_dev_shm_where_torch_path_fails():
-    """Docker's default --shm-size is 64 MB; memfd segments are not in /dev/shm (a private mount namespace)."""
-    script = os.path.join(SCRIPTS, "loader_small_shm.py")
+def run_sandboxed(mount: str, mode: str) -> dict:
+    """``loader_sandbox.py <mode>`` in a private mount namespace where ``mount`` (a ``mount`` command) ran first."""
+    script = os.path.join(SCRIPTS, "loader_sandbox.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
-    cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script}"]
+    cmd = ["unshare", "-m", "sh", "-c", f"{mount} && echo mounted && exec {sys.executable} {script} {mode}"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     except FileNotFoundError:
         pytest.skip("no unshare command")
-    if r.returncode != 0 and "mount" in r.stderr and not r.stdout:
-        pytest.skip(f"cannot mount a private tmpfs here: {r.stderr.strip()[-200:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not r.stdout.startswith("mounted"):
+        pytest.skip(f"cannot make a private mount namespace here: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_works_with_a_64mb_dev_shm_where_torch_path_fails():
+    """Docker's default --shm-size is 64 MB; memfd segments are not in /dev/shm."""
+    out = run_sandboxed("mount -t tmpfs -o size=64m tmpfs /dev/shm", "small-shm")
     assert out["monai_cache.DataLoader"] == "ok"
     assert out["monai.data.DataLoader"] != "ok"  # torch's own path needs the space in /dev/shm
+
+
+def test_without_proc_batches_take_torch_path_with_one_warning():
+    out = run_sandboxed("mount -t tmpfs none /proc", "no-proc")
+    assert out["sums"] == [1000.0, 5000.0]
+    assert len(out["warnings"]) == 1 and "/proc/<pid>/fd cannot be used" in out["warnings"][0], out["warnings"]
