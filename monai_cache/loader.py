@@ -231,8 +231,12 @@ _ring: tuple[int, _Ring | None, str | None] | None = None  # (pid, ring, why the
 
 def _worker_ring(collate: _BlockCollate) -> tuple[_Ring | None, str | None]:
     """This process's ring (made on first use; a forked child makes its own), or None and why not."""
-    global _ring
+    global _ring, _held, _attached, _lock
     if _ring is None or _ring[0] != os.getpid():
+        # Forked from the main process: its tables describe the main process's holds, not this one's (the
+        # descriptors are copies; those of the pool are closed by _Ring). Forget them, without closing anything;
+        # the lock may have been held by another thread of the main process at the fork.
+        _held, _attached, _lock = {}, {}, threading.RLock()
         info = torch_data_utils.worker._worker_info
         share = collate.pool[info.id :: info.num_workers] if info is not None else []
         try:
@@ -312,10 +316,11 @@ class _BlockCollate:
         if ring is None:
             return _TorchPath(batch, f"batches take torch's path: {why_not}", self.token)
         try:
-            encoded = encode(batch)
+            handle = ring.put(encode(batch))
         except UnsupportedValueError as e:
             return _TorchPath(batch, f"a batch takes torch's path: {e}", self.token)
-        handle = ring.put(encoded)
+        except (OSError, ValueError, RecursionError) as e:  # no memory for a segment, a value json refuses, ...
+            return _TorchPath(batch, f"a batch takes torch's path: {type(e).__name__}: {e}", self.token)
         if handle is None:
             return _TorchPath(
                 batch,
