@@ -104,10 +104,13 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _rusage() -> tuple[float, float]:
-    """CPU seconds of this process (all threads) and of its reaped children (DataLoader workers of past epochs)."""
+def _rusage(loader: Any) -> tuple[float, float]:
+    """CPU seconds of this process (all threads) and of its DataLoader workers: those reaped (past epochs'), and
+    persistent ones, which live on (read from /proc)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    alive = getattr(loader, "_iterator", None)  # set for persistent workers only
+    workers = sum(tree_cpu_seconds(w.pid) for w in alive._workers) if alive is not None else 0.0
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + workers
 
 
 def _build(config: Config, files: list[dict], transform: Any) -> Any:
@@ -124,7 +127,7 @@ def _build(config: Config, files: list[dict], transform: Any) -> Any:
     return monai.data.CacheDataset(files, transform, progress=False)  # monai, plain
 
 
-def _loader(config: Config, dataset: Any, sampler: Any, batch_size: int, workers: int) -> Any:
+def _loader(config: Config, dataset: Any, sampler: Any, batch_size: int, workers: int, persistent: bool) -> Any:
     import monai.data
 
     import monai_cache
@@ -132,7 +135,7 @@ def _loader(config: Config, dataset: Any, sampler: Any, batch_size: int, workers
     if config.loader == "thread":
         return monai.data.ThreadDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=0)
     cls = monai_cache.DataLoader if config.loader == "ours" else monai.data.DataLoader
-    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, persistent_workers=persistent)
 
 
 def rank_main(spec_path: str) -> None:
@@ -166,12 +169,12 @@ def rank_main(spec_path: str) -> None:
     if plain:
         monai.data.set_track_meta(False)  # the random crops (in forked workers) then return plain tensors too
     sampler = DistributedSampler(dataset, shuffle=True, seed=spec["seed"])
-    loader = _loader(config, dataset, sampler, spec["batch_size"], spec["workers"])
+    loader = _loader(config, dataset, sampler, spec["batch_size"], spec["workers"], spec["persistent_workers"])
     ttfb = ttfb_cpu = None
     epochs = []
     for epoch in range(spec["epochs"]):
         sampler.set_epoch(epoch)
-        (self0, kids0), start = _rusage(), time.perf_counter()
+        (self0, kids0), start = _rusage(loader), time.perf_counter()
         batches = 0
         for batch in loader:
             if ttfb is None:
@@ -182,7 +185,7 @@ def rank_main(spec_path: str) -> None:
             dist.all_reduce(total)
             batches += 1
         seconds = time.perf_counter() - start
-        self1, kids1 = _rusage()  # workers of this epoch are reaped (non-persistent) by now
+        self1, kids1 = _rusage(loader)  # non-persistent workers of this epoch are reaped by now
         epochs.append({"seconds": seconds, "main_cpu": self1 - self0, "worker_cpu": kids1 - kids0, "batches": batches})
     dist.barrier()  # nobody leaves (and releases a shared cache) before everyone is done
     result = {"rank": rank, "setup_s": setup_s, "ttfb_s": ttfb, "ttfb_cpu_s": ttfb_cpu, "epochs": epochs}
@@ -382,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--configs", type=_configs, default=list(CONFIGS), help=f"default {','.join(CONFIGS)}")
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument(
+        "--persistent-workers", action="store_true", help="persistent_workers=True for every DataLoader (default: off)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 volumes of 64x64x48, 3 epochs, 1 repeat")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "monai-cache-bench-loader"))
@@ -418,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workers": workers,
             "epochs": min(epochs, 2) if name == "uncached" else epochs,
             "batch_size": args.batch_size,
+            "persistent_workers": args.persistent_workers,
             "crop": list(crop_size_for(shape)),
             "seed": args.seed,
         }
@@ -428,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = (
         f"bench_loader: {items} volumes of {'x'.join(map(str, shape))}, tutorial chain (2 crops of "
         f"{'x'.join(map(str, crop_size_for(shape)))}), batch {args.batch_size}, {epochs} epochs (warm: 2..{epochs}), "
+        + ("persistent workers, " if args.persistent_workers else "")
+        + f"load average {os.getloadavg()[0]:.1f} at the end, "
         f"median of {repeats}; ratios against {BASELINE} (plain+ours: against plain) in the same run"
     )
     text, md = [head], [head, ""]

@@ -27,6 +27,10 @@ How it works:
   :data:`MAX_SEGMENTS` per worker (batches alive in the main process at once); beyond that, and for a batch
   holding a value the codec cannot store, the batch takes torch's ordinary path, with one warning per loader.
   At most :data:`SPARE_SEGMENTS` free segments are kept per worker; the others are given back.
+* **Across epochs.** Workers are new processes every epoch unless ``persistent_workers=True``. When they exit,
+  the main process keeps their segments (a :class:`_Pool` per loader, at most ``num_workers x (prefetch_factor +
+  1)``, including those whose batch the user still holds, which join once released) and hands them to the next
+  workers, so that their batches are copied into pages already allocated and mapped.
 * **Faults.** A worker killed mid-epoch: torch's SIGCHLD handler raises its usual ``RuntimeError``; batches
   already received stay valid (their segments live as long as the main process maps them). The main process
   killed: workers exit (torch's watchdog) and the kernel frees their memfds; nothing is ever left in
@@ -56,11 +60,11 @@ from monai_cache.codec import Encoded, UnsupportedValueError, decode, encode
 
 __all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader"]
 
-#: Segments per worker: the most batches of one worker that can be alive in the main process at once
-#: before further batches take torch's path.
 MAX_SEGMENTS = 64
-#: Free segments a worker keeps for reuse; others are given back to the system.
+"""Segments per worker: the most batches of one worker that can be alive in the main process at once before
+further batches take torch's path (one warning). Each also holds a descriptor in the worker."""
 SPARE_SEGMENTS = 2
+"""Free segments a worker keeps for reuse; it gives back the others (smallest first) after each batch."""
 _FREE, _BUSY, _RETIRED = 0, 1, 2  # one byte per segment in the control page
 _CONTROL_SIZE = 4096
 _GRANULE = 64 << 10  # segment sizes are multiples of this (plus 1/8 headroom: padded batches vary a little)
