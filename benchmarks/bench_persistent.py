@@ -58,7 +58,7 @@ from monai.transforms import (  # noqa: E402
     Spacingd,
 )
 
-from monai_cache import disk  # noqa: E402
+from monai_cache import codec, disk, disk_format, disk_writer  # noqa: E402
 from monai_cache.persistent import DEFAULT_COMPRESSION_LEVEL, PersistentDataset  # noqa: E402
 from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transforms  # noqa: E402
 
@@ -166,7 +166,7 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
         jobs = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
         for name, build in jobs:
             t[name].append(run_epoch(build(), workers))
-        assert len(list(disk.stored_entries(odir))) == len(data), "writes not flushed"
+        assert len(list(disk_format.stored_entries(odir))) == len(data), "writes not flushed"
     if warm:
         mdir, odir = os.path.join(root, "monai0"), os.path.join(root, "ours0")
         for r in range(repeats):
@@ -191,7 +191,8 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
 
 def dir_bytes(path: str, suffix: str) -> int:
     """Bytes of the files ending in ``suffix``; for ours (``".mcache"``), also small entries' packs and indexes."""
-    suffixes = (suffix, disk.PACK_SUFFIX, disk.INDEX_SUFFIX) if suffix == disk.ENTRY_SUFFIX else (suffix,)
+    ours = suffix == disk_format.ENTRY_SUFFIX
+    suffixes = (suffix, disk_format.PACK_SUFFIX, disk_format.INDEX_SUFFIX) if ours else (suffix,)
     return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(suffixes))
 
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cctx = zstandard.ZstdCompressor(level=store.compression_level)
                 dctx = zstandard.ZstdDecompressor()
                 for item in pre:
-                    blob = disk.codec.encode(item, downcast=store.downcast, lossy=store.lossy).to_bytes()
+                    blob = codec.encode(item, downcast=store.downcast, lossy=store.lossy).to_bytes()
                     best_c = best_d = float("inf")
                     for _ in range(5):
                         t0 = time.perf_counter()
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["monai_read_s"] = med(rounds)
 
         # checksum speed (why CRC-32): over one default-level payload and one uncompressed blob
-        blob = bytes(disk.codec.encode(pre[0], downcast=True).to_bytes())
+        blob = bytes(codec.encode(pre[0], downcast=True).to_bytes())
         cs = {}
         for fn_name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
             t0 = time.perf_counter()
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["checksum_GBps"] = cs
 
         # ---- slow store: time in __getitem__ on a miss, async vs sync, fast vs slow writes
-        original = disk.write_entry
+        original = disk_writer.write_record
         slow_rows = []
         for delay in (0.0, args.delay):
 
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(_d)
                 return original(*a, **k)
 
-            disk.write_entry = slowed  # type: ignore[assignment]
+            disk_writer.write_record = slowed  # type: ignore[assignment]
             for async_writes in (True, False):
                 sdir = tempfile.mkdtemp(dir=root)
                 ds = PersistentDataset(data, make_chain(crop), sdir, async_writes=async_writes)
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
                     times.append(time.perf_counter() - t0)
                 ds.flush()
                 slow_rows.append({"delay": delay, "async": async_writes, "miss_s": med(times)})
-            disk.write_entry = original  # type: ignore[assignment]
+            disk_writer.write_record = original  # type: ignore[assignment]
         results["slow_store"] = slow_rows
         torch.set_num_threads(os.cpu_count() or 1)
     finally:

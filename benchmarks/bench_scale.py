@@ -337,7 +337,7 @@ with warnings.catch_warnings(record=True) as w:
     v = s.get_or_compute(0, lambda: x); v2 = s.get_or_compute(1, lambda: x)
 full = [m for m in w if "is full" in str(m.message)]
 print(json.dumps({"warnings": len(full), "returned": bool(torch.equal(v["image"], x["image"])),
-                  "entries": s.stats()["machine"]["entries"]}))
+                  "entries": s.stats()["stored"]["entries"]}))
 s.release()
 """
     env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, PYTHONWARNINGS="ignore")
@@ -464,7 +464,7 @@ def main() -> None:
         json.dump({"rows": rows, "large": large, "budget": budget, "seconds": time.perf_counter() - t0,
                    "cpus": os.cpu_count()}, f, indent=1)
     text = report(rows, large, budget, args.out)
-    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by `monai-cache bench`
+    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by benchmarks/report.py
         f.write(text + "\n")
     print(text)
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -1,8 +1,8 @@
 """monai_cache: drop-in replacements for MONAI's caching datasets.
 
-``from monai_cache import CacheDataset, PersistentDataset, DataLoader`` replaces the ``monai.data`` import: one
-shared-memory cache per machine, an asynchronous compact disk cache, a shard-local sampler, and a DataLoader
-whose workers hand each batch over as one shared-memory block.
+``from monai_cache import CacheDataset, PersistentDataset, SmartCacheDataset, DataLoader`` replaces the
+``monai.data`` import: one shared-memory cache per machine, an asynchronous compact disk cache, a shard-local
+sampler, and a DataLoader whose workers hand each batch over as one shared-memory block.
 
 Names are imported lazily, so that ``monai_cache.shm`` or the command line start without importing
 MONAI (which takes seconds).
@@ -19,30 +19,57 @@ _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
     "DataLoader": "monai_cache.loader",
     "PersistentDataset": "monai_cache.persistent",
+    "CacheNTransDataset": "monai_cache.cache_n_trans",
+    "SmartCacheDataset": "monai_cache.smartcache",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
-    "CorruptEntryError": "monai_cache.codec",
-    "UnsupportedValueError": "monai_cache.codec",
+    "DiskStore": "monai_cache.disk",
+    "CorruptEntryError": "monai_cache.errors",
+    "UnsupportedValueError": "monai_cache.errors",
+    "MonaiCacheWarning": "monai_cache.errors",
+    "CacheFullWarning": "monai_cache.errors",
+    "CorruptEntryWarning": "monai_cache.errors",
+    "UncachedItemWarning": "monai_cache.errors",
+    "CacheUnavailableWarning": "monai_cache.errors",
 }
 
 __all__ = [
     "CacheDataset",
+    "CacheFullWarning",
+    "CacheNTransDataset",
+    "CacheUnavailableWarning",
     "CorruptEntryError",
+    "CorruptEntryWarning",
     "DataLoader",
+    "DiskStore",
+    "MonaiCacheWarning",
     "PersistentDataset",
     "SharedMemoryStore",
     "ShardedDistributedSampler",
+    "SmartCacheDataset",
+    "UncachedItemWarning",
     "UnsupportedValueError",
     "__version__",
 ]
 
 if TYPE_CHECKING:
-    from monai_cache.codec import CorruptEntryError, UnsupportedValueError
+    from monai_cache.cache_n_trans import CacheNTransDataset
     from monai_cache.dataset import CacheDataset
+    from monai_cache.disk import DiskStore
+    from monai_cache.errors import (
+        CacheFullWarning,
+        CacheUnavailableWarning,
+        CorruptEntryError,
+        CorruptEntryWarning,
+        MonaiCacheWarning,
+        UncachedItemWarning,
+        UnsupportedValueError,
+    )
     from monai_cache.loader import DataLoader
     from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
+    from monai_cache.smartcache import SmartCacheDataset
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 Each subcommand lives in a ``_cmd_<name>`` pair of functions registered in :data:`COMMANDS`: one adds its
 options to an ``argparse`` subparser, the other runs it and returns the exit status. To add a command
-(``bench``, ``info``, ``verify`` ...), write the two functions and add one :class:`Command` line.
+(``info``, ``verify`` ...), write the two functions and add one :class:`Command` line.
 """
 
 from __future__ import annotations
@@ -15,15 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = [
-    "COMMANDS",
-    "Command",
-    "build_parser",
-    "clear_disk_cache",
-    "disk_cache_info",
-    "main",
-    "verify_disk_cache",
-]
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,25 +84,18 @@ def _attached_pids(paths: Sequence[str]) -> dict[str, list[int]]:
 
 
 def _shm_caches(shm_dir: str | None) -> list[dict[str, Any]]:
-    """:func:`monai_cache.shm.list_caches` plus ``processes`` (pids attached) and ``ours`` (has our stats file)."""
-    from monai_cache.shm import _STATS_MAGIC, _stats_magic, list_caches
+    """:func:`monai_cache.shm_directory.list_caches` plus ``processes`` (the pids attached)."""
+    from monai_cache.shm_directory import list_caches
 
     caches = list_caches(shm_dir)
     pids = _attached_pids([c["path"] for c in caches])
     for c in caches:
         c["processes"] = pids.get(c["path"], [])
-        c["ours"] = _stats_magic(os.path.join(c["path"], "stats")) == _STATS_MAGIC
     return caches
 
 
-def _print_table(rows: list[list[str]], left: int = 1) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-
-
 def _ls_run(args: argparse.Namespace) -> int:
-    from monai_cache.utils import format_bytes
+    from monai_cache.utils import format_bytes, format_table
 
     try:
         caches = _shm_caches(args.shm_dir)
@@ -123,7 +108,7 @@ def _ls_run(args: argparse.Namespace) -> int:
     if not caches:
         print("no monai_cache shared-memory caches")
         return 0
-    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "PROCESSES", "HITS", "MISSES"]]
+    rows = [["KEY", "STATE", "ENTRIES", "SIZE", "PROCESSES", "HITS", "MISSES", "DISK TIER"]]
     rows += [
         [
             c["key"],
@@ -133,10 +118,11 @@ def _ls_run(args: argparse.Namespace) -> int:
             str(len(c["processes"])),
             str(c["hits"]),
             str(c["misses"]),
+            c["disk_tier"] or "-",
         ]
         for c in caches
     ]
-    _print_table(rows, left=2)
+    print(format_table(rows, left=2))
     total = sum(c["bytes"] for c in caches)
     print(f"{len(caches)} cache(s), {format_bytes(total)} in {os.path.dirname(caches[0]['path'])}")
     return 0
@@ -149,130 +135,18 @@ def _info_arguments(parser: argparse.ArgumentParser) -> None:
     _shm_dir_argument(parser)
 
 
-def disk_cache_info(cache_dir: str) -> dict[str, Any]:
-    """Describe a disk cache directory from its file headers (nothing is decoded).
-
-    Args:
-        cache_dir: a ``PersistentDataset`` ``cache_dir``.
-
-    Returns:
-        ``path``, ``entries`` (entry files with a valid header, plus packed records with one: the record each
-        key's latest index record points to), ``packed`` (of which in packs), ``packs`` (pack files),
-        ``bytes`` (size of the entry files, packs and pack indexes), ``bytes_on_disk``
-        (allocated blocks), ``blob_bytes`` (the encoded items, uncompressed), ``compression_ratio``
-        (``blob_bytes / bytes``), ``compressed`` (entries stored with zstd), ``format_versions`` and
-        ``codec_versions`` (``{version: count}``), ``bad_headers`` (entry files or packed records whose header
-        does not read),
-        ``temp_files`` (writes in progress or left by killed writers), ``other_files`` (not ours, e.g. MONAI's
-        ``.pt``; never opened) and ``hits`` (``None``: hit counters live in the training processes).
-
-    Raises:
-        NotADirectoryError: ``cache_dir`` is not a directory.
-    """
-    from monai_cache import codec
-    from monai_cache.disk import (
-        DISK_FORMAT_VERSION,
-        ENTRY_SUFFIX,
-        HEADER_SIZE,
-        PACK_SUFFIX,
-        is_pack_file,
-        read_header,
-        stored_entries,
-    )
-
-    if not os.path.isdir(cache_dir):
-        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
-    info: dict[str, Any] = {
-        "path": os.path.abspath(cache_dir),
-        "entries": 0,
-        "packed": 0,
-        "packs": 0,
-        "bytes": 0,
-        "bytes_on_disk": 0,
-        "blob_bytes": 0,
-        "compression_ratio": 0.0,
-        "compressed": 0,
-        "format_versions": {},
-        "codec_versions": {},
-        "reader_format_version": DISK_FORMAT_VERSION,
-        "bad_headers": 0,
-        "temp_files": 0,
-        "other_files": 0,
-        "hits": None,
-    }
-    with os.scandir(cache_dir) as it:
-        for entry in it:
-            name = entry.name
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            if name.startswith(".") and name.endswith(".tmp"):
-                info["temp_files"] += 1
-                continue
-            if is_pack_file(name):  # its records are counted below, from the indexes
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                info["bytes"] += st.st_size
-                info["bytes_on_disk"] += st.st_blocks * 512
-                info["packs"] += int(name.endswith(PACK_SUFFIX))
-                continue
-            if name.startswith(".") or not name.endswith(ENTRY_SUFFIX):
-                info["other_files"] += 1
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-                with open(entry.path, "rb") as f:
-                    head = f.read(HEADER_SIZE)
-                h = read_header(head, None, st.st_size)
-            except (OSError, codec.CorruptEntryError):
-                info["bad_headers"] += 1
-                continue
-            info["entries"] += 1
-            info["bytes"] += st.st_size
-            info["bytes_on_disk"] += st.st_blocks * 512
-            info["blob_bytes"] += h["blob_len"]
-            info["compressed"] += int(h["compressed"])
-            for field, version in (("format_versions", h["version"]), ("codec_versions", h["codec_version"])):
-                info[field][str(version)] = info[field].get(str(version), 0) + 1
-    fds: dict[str, int] = {}
-    try:
-        for rec in stored_entries(cache_dir):
-            if rec.tag is None:
-                continue  # entry files: counted above
-            try:
-                if rec.path not in fds:
-                    fds[rec.path] = os.open(rec.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-                h = read_header(os.pread(fds[rec.path], HEADER_SIZE, rec.offset))
-                if HEADER_SIZE + h["stored_len"] != rec.length or h["key_tag"] != rec.tag:
-                    raise codec.CorruptEntryError("record does not match its index")
-            except (OSError, codec.CorruptEntryError):
-                info["bad_headers"] += 1
-                continue
-            info["entries"] += 1
-            info["packed"] += 1
-            info["blob_bytes"] += h["blob_len"]
-            info["compressed"] += int(h["compressed"])
-            for field, version in (("format_versions", h["version"]), ("codec_versions", h["codec_version"])):
-                info[field][str(version)] = info[field].get(str(version), 0) + 1
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if info["bytes"]:
-        info["compression_ratio"] = info["blob_bytes"] / info["bytes"]
-    return info
-
-
 def _info_run(args: argparse.Namespace) -> int:
+    from monai_cache import disk_format
     from monai_cache.utils import format_bytes
 
     if args.cache_dir is None:
         return _ls_run(args)
     try:
-        info = disk_cache_info(args.cache_dir)
+        info = disk_format.summarize(args.cache_dir)
     except (NotADirectoryError, OSError) as e:
         print(f"monai-cache info: {e}", file=sys.stderr)
         return 2
+    info["shared_memory_tiers"] = _tiers_in_front_of(args.cache_dir, args.shm_dir)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -290,7 +164,22 @@ def _info_run(args: argparse.Namespace) -> int:
     print(f"temp files      {info['temp_files']}")
     print(f"other files     {info['other_files']} (not ours; never opened)")
     print("hits            unknown (counted by the training processes: PersistentDataset.cache_stats())")
+    tiers = info["shared_memory_tiers"]
+    in_front = ", ".join(f"{c['key']} ({c['state']}, {c['entries']} entries, {format_bytes(c['bytes'])})"
+                         for c in tiers)
+    print(f"in memory       {in_front or 'no shared-memory cache in front of it'}")
     return 0
+
+
+def _tiers_in_front_of(cache_dir: str, shm_dir: str | None) -> list[dict[str, Any]]:
+    """The shared-memory caches whose disk tier is ``cache_dir``, with the processes attached."""
+    from monai_cache.shm_directory import caches_in_front_of
+
+    caches = caches_in_front_of(cache_dir, shm_dir)
+    pids = _attached_pids([c["path"] for c in caches])
+    for c in caches:
+        c["processes"] = pids.get(c["path"], [])
+    return caches
 
 
 # -- clear --------------------------------------------------------------------------------------------------
@@ -308,99 +197,35 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="remove the entries of this disk cache (only monai_cache files, recognised by name and magic number) "
-        "instead of shared-memory caches",
+        "and the shared-memory caches in front of it (live ones with --all), instead of the shared-memory caches",
     )
 
 
-def clear_disk_cache(cache_dir: str) -> dict[str, Any]:
-    """Remove monai_cache's files from a disk cache directory, and the directory if it is then empty.
-
-    Only entry files (``*.mcache`` starting with the disk magic number), packs and their indexes
-    (``pack.<host>.<pid>.<n>.mcpack`` / ``.mcidx``, empty or starting with our magic numbers) and our temporary
-    files (``.<key prefix>.<host>.<pid>.<kind><n>.tmp``) are removed; anything else (MONAI's ``.pt`` files,
-    the user's own files) is left alone.
-
-    Args:
-        cache_dir: a ``PersistentDataset`` ``cache_dir``.
-
-    Returns:
-        ``{"path", "removed", "bytes", "kept", "removed_dir"}``.
-
-    Raises:
-        NotADirectoryError: ``cache_dir`` is not a directory.
-    """
-    from monai_cache.disk import DISK_MAGIC, ENTRY_SUFFIX, INDEX_MAGIC, INDEX_SUFFIX, is_pack_file
-
-    if not os.path.isdir(cache_dir):
-        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
-    removed = kept = nbytes = 0
-    with os.scandir(cache_dir) as it:
-        entries = list(it)
-    for entry in entries:
-        name = entry.name
-        if not entry.is_file(follow_symlinks=False):
-            kept += 1
-            continue
-        ours = False
-        if name.startswith(".") and name.endswith(".tmp") and len(name.split(".")) >= 5:
-            ours = True
-        elif not name.startswith(".") and name.endswith(ENTRY_SUFFIX):
-            try:
-                with open(entry.path, "rb") as f:
-                    ours = f.read(len(DISK_MAGIC)) == DISK_MAGIC
-            except OSError:
-                ours = False
-        elif is_pack_file(name):
-            magic = INDEX_MAGIC if name.endswith(INDEX_SUFFIX) else DISK_MAGIC
-            try:
-                with open(entry.path, "rb") as f:
-                    head = f.read(len(magic))
-                ours = magic.startswith(head)  # empty or torn at creation (a killed writer) counts as ours
-            except OSError:
-                ours = False
-        if not ours:
-            kept += 1
-            continue
-        try:
-            size = entry.stat(follow_symlinks=False).st_size
-            os.unlink(entry.path)
-        except FileNotFoundError:
-            continue
-        removed += 1
-        nbytes += size
-    removed_dir = False
-    if kept == 0:
-        try:
-            os.rmdir(cache_dir)
-            removed_dir = True
-        except OSError:
-            pass
-    return {
-        "path": os.path.abspath(cache_dir),
-        "removed": removed,
-        "bytes": nbytes,
-        "kept": kept,
-        "removed_dir": removed_dir,
-    }
-
-
 def _clear_run(args: argparse.Namespace) -> int:
-    from monai_cache.shm import remove_cache
+    from monai_cache import disk_format
+    from monai_cache.shm_directory import remove_cache
     from monai_cache.utils import format_bytes
 
     if args.cache_dir is not None:
         try:
-            result = clear_disk_cache(args.cache_dir)
+            result = disk_format.clear(args.cache_dir)
         except (NotADirectoryError, OSError) as e:
             print(f"monai-cache clear: {e}", file=sys.stderr)
             return 2
+        tiers = _tiers_in_front_of(args.cache_dir, args.shm_dir)
+        result["shared_memory_tiers_removed"] = [
+            c["key"]
+            for c in tiers
+            if (args.all or c["state"] != "live") and remove_cache(c["key"], args.shm_dir, args.all)
+        ]
         if args.json:
             print(json.dumps(result, indent=1))
         else:
             gone = "; removed the empty directory" if result["removed_dir"] else ""
+            in_memory = len(result["shared_memory_tiers_removed"])
             print(
                 f"removed {result['removed']} cache file(s), {format_bytes(result['bytes'])} from {result['path']}; "
-                f"kept {result['kept']} other file(s){gone}"
+                f"kept {result['kept']} other file(s){gone}; removed {in_memory} shared-memory cache(s) in front of it"
             )
         return 0
     try:
@@ -429,7 +254,10 @@ def _clear_run(args: argparse.Namespace) -> int:
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("cache_dir", help="a PersistentDataset cache_dir")
+    parser.add_argument("cache_dir", help="a PersistentDataset cache_dir (and the shared-memory caches in front of it)")
+    parser.add_argument(
+        "--shm-dir", default=None, help="tmpfs directory of the caches (default $MONAI_CACHE_SHM_DIR or /dev/shm)"
+    )
     parser.add_argument("--remove", action="store_true", help="delete the bad entries (they are recomputed on use)")
     parser.add_argument(
         "--allow-pickle",
@@ -439,78 +267,17 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def verify_disk_cache(cache_dir: str, remove: bool = False, allow_pickle: bool = False) -> dict[str, Any]:
-    """Read, check (header and payload checksums, key tag, lengths) and decode every entry of a disk cache:
-    every entry file, and every record that a pack index points to (superseded ones included).
-
-    Args:
-        cache_dir: a ``PersistentDataset`` ``cache_dir``.
-        remove: delete the bad entry files, and mark bad packed records removed in their pack's index (their
-            bytes stay in the pack, which other entries share; the items are appended anew when next used).
-        allow_pickle: decode pickled values too; without it their checksums are checked but they are not decoded.
-
-    Returns:
-        ``{"path", "checked", "ok", "bad": [{"file", "error", "removed"}], "not_decoded"}`` (``not_decoded``:
-        entries holding pickled values, checksums fine; ``file`` of a packed record: ``<pack name>@<offset>``).
-
-    Raises:
-        NotADirectoryError: ``cache_dir`` is not a directory.
-    """
-    from monai_cache import codec
-    from monai_cache.disk import read_entry, read_packed, remove_packed, stored_entries
-
-    if not os.path.isdir(cache_dir):
-        raise NotADirectoryError(f"{cache_dir!r} is not a directory")
-    ok = not_decoded = 0
-    bad: list[dict[str, Any]] = []
-    for rec in list(stored_entries(cache_dir, superseded=True)):
-        path = rec.path
-        name = os.path.basename(path) + (f"@{rec.offset}" if rec.packed else "")
-        try:
-            if rec.packed:
-                read_packed(rec, allow_pickle=allow_pickle)
-            else:
-                read_entry(path, allow_pickle=allow_pickle)
-            ok += 1
-            continue
-        except FileNotFoundError:
-            continue  # removed meanwhile (another clear, a reset)
-        except codec.CorruptEntryError as e:
-            if not allow_pickle and "allow_pickle" in str(e):
-                not_decoded += 1
-                ok += 1
-                continue
-            error = str(e)
-        except OSError as e:
-            error = f"cannot read: {e.strerror or e}"
-        except Exception as e:  # a decoder bug must not stop the scan
-            error = f"{type(e).__name__}: {e}"
-        removed = False
-        if remove:
-            try:
-                if rec.packed:
-                    remove_packed(rec)
-                else:
-                    os.unlink(path)
-                removed = True
-            except OSError:
-                pass
-        bad.append({"file": name, "error": error, "removed": removed})
-    return {
-        "path": os.path.abspath(cache_dir),
-        "checked": ok + len(bad),
-        "ok": ok,
-        "bad": bad,
-        "not_decoded": not_decoded,
-    }
-
-
 def _verify_run(args: argparse.Namespace) -> int:
+    from monai_cache import disk_format
+    from monai_cache.shm_directory import caches_in_front_of, verify
+
     try:
-        result = verify_disk_cache(args.cache_dir, remove=args.remove, allow_pickle=args.allow_pickle)
+        result = disk_format.verify(args.cache_dir, remove=args.remove, allow_pickle=args.allow_pickle)
     except (NotADirectoryError, OSError) as e:
         print(f"monai-cache verify: {e}", file=sys.stderr)
         return 2
+    tiers = [verify(c["path"], args.allow_pickle) for c in caches_in_front_of(args.cache_dir, args.shm_dir)]
+    result["shared_memory_tiers"] = tiers
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -521,22 +288,12 @@ def _verify_run(args: argparse.Namespace) -> int:
         print(f"{result['checked']} entries checked in {result['path']}: {result['ok']} ok, {n_bad} bad{extra}")
         if result["bad"] and not args.remove:
             print("pass --remove to delete the bad entries (they are recomputed when next used)")
-    return 1 if result["bad"] else 0
-
-
-# -- bench --------------------------------------------------------------------------------------------------
-
-
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from monai_cache import bench
-
-    bench.add_arguments(parser)
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    from monai_cache import bench
-
-    return bench.run(args)
+        for tier in tiers:
+            for b in tier["bad"]:
+                print(f"BAD  {tier['path']} entry {b['entry']}: {b['error']}")
+            print(f"{tier['checked']} entries checked in shared memory in front of it, {tier['path']}: "
+                  f"{tier['ok']} ok, {len(tier['bad'])} bad (recomputed when next read)")
+    return 1 if result["bad"] or any(tier["bad"] for tier in tiers) else 0
 
 
 COMMANDS: list[Command] = [
@@ -545,12 +302,6 @@ COMMANDS: list[Command] = [
         "MONAI vs monai_cache on a small distributed job with synthetic CT (no downloads)",
         _demo_arguments,
         _demo_run,
-    ),
-    Command(
-        "bench",
-        "run the benchmarks (stock MONAI vs monai_cache in the same run); write docs/benchmarks.md and plots",
-        _bench_arguments,
-        _bench_run,
     ),
     Command("ls", "list this user's shared-memory caches", _shm_dir_argument, _ls_run),
     Command(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,7 +21,10 @@ from monai.data.utils import pickle_hashing
 from monai.transforms import Compose
 
 from monai_cache import __version__, codec
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
+from monai_cache.runtime import COUNTERS, cache_stats
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -39,6 +43,18 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), os.PathLike)
+
+
+def _immutable_leaves(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is dicts, lists and tuples of strings, numbers and paths only (at most 8 levels deep)."""
+    if isinstance(value, _IMMUTABLE):
+        return True
+    if depth < 8 and isinstance(value, (dict, list, tuple)):
+        return all(_immutable_leaves(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 class _EntryName:
@@ -122,7 +138,19 @@ class CacheDataset(_MonaiCacheDataset):
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options (for
             transforms that cannot be fingerprinted consistently across processes). Datasets with the same
             key share entries, so it must change whenever the data or deterministic transforms change.
+        cache_dir: a directory where the cached items are also kept on disk (a second tier behind shared
+            memory): an item missing from shared memory is read from there, and one computed is written there
+            in the background, so the next run (after a reboot, or on another machine reading the same
+            directory) starts warm. The files are those of ``monai_cache.PersistentDataset`` (format, packing,
+            checks, compression); items are named by ``hash_func`` of the data item and a fingerprint of the
+            cached transforms. Needs the shared-memory cache.
+        shared_dir: ``cache_dir`` is shared by several machines (or by processes that may miss the same item at
+            once): an item missing everywhere is computed by one process in all (see
+            ``monai_cache.PersistentDataset``).
     """
+
+    _pack_entries = True
+    """Whether the store packs small entries into segments (``SharedMemoryStore(pack=...)``)."""
 
     def __init__(
         self,
@@ -144,21 +172,12 @@ class CacheDataset(_MonaiCacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
     ) -> None:
-        # Attributes a subclass set before calling this __init__ may change what _load_cache_item computes:
-        # they are part of the cache's fingerprint.
-        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
-        # Set before MONAI's __init__, which calls set_data(). None of these is randomizable, so MONAI's
-        # worker seeding (set_rnd walks __dict__ in order) gives the transforms the same seeds as in MONAI.
-        self.shared_memory = shared_memory
-        self.shm_dir = shm_dir
-        self.shm_budget = shm_budget
-        self.keep_warm = keep_warm
-        self.allow_pickle = allow_pickle
-        self.cache_key = cache_key
-        self._hash_index: dict[bytes, int] = {}
-        self._cache_data_index = np.zeros(0, dtype=np.int64)
-        self._counts = {"hits": 0, "misses": 0}
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+        )
         super().__init__(
             data=data,
             transform=transform,
@@ -174,6 +193,39 @@ class CacheDataset(_MonaiCacheDataset):
         )
 
     # -- setting up the cache --
+    def _init_shared_memory(
+        self,
+        shared_memory: bool,
+        shm_dir: str | None,
+        shm_budget: int | str | None,
+        keep_warm: bool,
+        allow_pickle: bool,
+        cache_key: str | None,
+        cache_dir: str | os.PathLike | None = None,
+        shared_dir: bool = False,
+    ) -> None:
+        """Our options, set before MONAI's ``CacheDataset.__init__`` (which calls :meth:`set_data`). Subclasses
+        whose MONAI counterpart calls ``monai.data.CacheDataset.__init__`` by name (MONAI's apps datasets) call
+        this first themselves."""
+        # Attributes a subclass set before this may change what _load_cache_item computes: they are part of the
+        # cache's fingerprint.
+        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
+        # None of these is randomizable, so MONAI's worker seeding (set_rnd walks __dict__ in order) gives the
+        # transforms the same seeds as in MONAI.
+        self.shared_memory = shared_memory
+        self.shm_dir = shm_dir
+        self.shm_budget = shm_budget
+        self.keep_warm = keep_warm
+        self.allow_pickle = allow_pickle
+        self.cache_key = cache_key
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.shared_dir = shared_dir
+        self._disk: DiskStore | None = None  # the disk tier (cache_dir)
+        self._disk_keys: dict[int, str] = {}  # data index -> entry key on disk (a dict: set_rnd skips it)
+        self._hash_index: dict[bytes, int] = {}
+        self._cache_data_index = np.zeros(0, dtype=np.int64)
+        self._counts = {"hits": 0, "misses": 0}
+
     def _in_shared_memory(self) -> bool:
         return bool(self.shared_memory) and (
             self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
@@ -194,6 +246,11 @@ class CacheDataset(_MonaiCacheDataset):
         self._hash_index = {k: i for i, k in enumerate(self._hash_keys)}
         self._cache_data_index = np.asarray(indices, dtype=np.int64)
         return indices
+
+    def _store_length(self) -> int:
+        """Entries of the shared-memory store: one per cache position (a negative cache_num / cache_rate caches
+        nothing, as in MONAI)."""
+        return max(0, self.cache_num)
 
     def _fingerprint(self) -> str:
         generation = (self._generation,) if self._generation else ()  # generation 0 keeps the plain key
@@ -226,6 +283,11 @@ class CacheDataset(_MonaiCacheDataset):
         # Each call starts a new cache: set_data(the same list) recomputes (e.g. files changed on disk) even
         # while other processes still use the old one. Ranks calling it alike share each generation.
         self._generation = getattr(self, "_generation", -1) + 1
+        if self.cache_dir is not None and not self._in_shared_memory():
+            raise ValueError(
+                "cache_dir keeps the shared-memory cache on disk too, so it needs the shared-memory cache: leave "
+                "shared_memory=True and runtime_cache a bool or a string, or use monai_cache.PersistentDataset"
+            )
         if not self._in_shared_memory():
             super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
             if self.hash_as_key:
@@ -237,16 +299,21 @@ class CacheDataset(_MonaiCacheDataset):
         indices = self._plan(data)
         store = SharedMemoryStore(
             self._fingerprint(),
-            max(0, self.cache_num),  # a negative cache_num / cache_rate caches nothing, as in MONAI
+            self._store_length(),
             shm_dir=self.shm_dir,
             budget=self.shm_budget,
             keep_warm=self.keep_warm,
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
+            disk_tier=self.cache_dir,
+            pack=self._pack_entries,
         )
         # list-like, as MONAI's runtime_cache containers; the store gives its entries back when it is collected
         # with this dataset (the last process using them removes them)
         self._cache = store  # type: ignore[assignment]
+        self._disk_keys = {}
+        if self.cache_dir is not None:
+            self._disk = DiskStore.open(self.cache_dir, allow_pickle=self.allow_pickle, shared=self.shared_dir)
         if self.runtime_cache in (False, None):
             filled = self._fill_cache(indices)
             if filled is not store:  # a subclass's _fill_cache made a cache of its own: use it, as MONAI does
@@ -274,22 +341,88 @@ class CacheDataset(_MonaiCacheDataset):
         if self.progress and not _has_tqdm:  # pragma: no cover
             warnings.warn("tqdm is not installed, will not show the caching progress bar.", stacklevel=2)
 
-        def fill(job: tuple[int, int]) -> tuple[int, int] | None:
-            slot, data_index = job
-            return None if store.fill(slot, partial(self._load_cache_item, data_index)) else job
-
         # Only the entries not cached yet: a process joining a filled cache starts at once.
-        jobs = [(slot, indices[slot]) for slot in store.missing()]
-        with ThreadPool(self.num_workers) as pool:
-            results = pool.imap(fill, jobs)
-            if self.progress and _has_tqdm:
-                results = tqdm(results, total=len(jobs), desc="Loading dataset")
-            deferred = [job for job in results if job is not None]
-        for slot, data_index in deferred:  # entries other processes were computing: wait, then make sure
-            while not store.fill(slot, partial(self._load_cache_item, data_index)):
-                store.wait_for(slot)
+        self._fill_entries(store, self._fill_jobs(store, indices), self.num_workers, self.progress and _has_tqdm)
         _release_freed_memory()
         return store
+
+    def _fill_entries(
+        self,
+        store: SharedMemoryStore,
+        jobs: Sequence[tuple[int, int]],
+        threads: int | None,
+        progress: bool = False,
+        load: Callable[[int], Any] | None = None,
+    ) -> None:
+        """Compute and publish entries with ``threads`` threads, split with the other processes filling them: an
+        entry another process is computing is skipped and waited for at the end, so none is computed twice.
+
+        Args:
+            store: the shared-memory store.
+            jobs: ``(entry, data index)`` pairs.
+            threads: worker threads (``None``: one per CPU).
+            progress: show a progress bar.
+            load: computes the item of a data index (default: :meth:`_load_cache_item`, through the disk tier if
+                there is one).
+        """
+        def make(data_index: int) -> Callable[[], Any]:
+            return self._computer(data_index) if load is None else partial(load, data_index)
+
+        def fill(job: tuple[int, int]) -> tuple[int, int] | None:
+            entry, data_index = job
+            return None if store.fill(entry, make(data_index)) else job
+
+        with ThreadPool(threads) as pool:
+            results = pool.imap(fill, jobs)
+            if progress:
+                results = tqdm(results, total=len(jobs), desc="Loading dataset")
+            deferred = [job for job in results if job is not None]
+        for entry, data_index in deferred:  # entries other processes were computing: wait, then make sure
+            while not store.fill(entry, make(data_index)):
+                store.wait_for(entry)
+
+    def _fill_jobs(self, store: SharedMemoryStore, indices: Sequence[int]) -> list[tuple[int, int]]:
+        """``(entry, data index)`` of the entries to fill that no process has published yet: entry ``k`` holds
+        ``indices[k]`` (a subclass whose entries are keyed otherwise overrides this)."""
+        return [(slot, indices[slot]) for slot in store.missing()]
+
+    def _computes_private(self, data_index: int) -> bool:
+        """Whether what :meth:`_load_cache_item` computes for ``data_index`` shares no mutable object with the data,
+        so that a miss may return it as it is (rather than decode what was just stored): the data item is dicts,
+        lists and tuples of strings, numbers and paths (a file list's item), which ``as_contiguous`` rebuilds."""
+        return self.as_contiguous is True and _immutable_leaves(self.data[data_index])
+
+    def _computer(self, data_index: int) -> Callable[[], Any]:
+        """What fills a missing shared-memory entry: the cached transforms, or, with a disk tier, its entry on
+        disk (read, or computed and written there)."""
+        compute = partial(self._load_cache_item, data_index)
+        if self._disk is None:
+            return compute
+        key = self._disk_keys.get(data_index)
+        if key is None:
+            key = self._disk_keys[data_index] = entry_key(
+                self.hash_func(self.data[data_index]).decode("utf-8"), self._disk_variant()
+            )
+        return partial(self._disk.get_or_compute, key, compute)
+
+    def _disk_variant(self) -> str:
+        """What the disk tier's entries hold beyond the data item: the cached transforms and the options that change
+        them (taken once; the shared-memory cache's name covers the same)."""
+        variant = getattr(self, "_disk_variant_key", None)
+        if variant is None:
+            variant = self._disk_variant_key = fingerprint(
+                "monai_cache.CacheDataset",
+                type(self),
+                {name: getattr(self, name, None) for name in self._subclass_attributes},
+                DISK_FORMAT_VERSION,
+                codec.FORMAT_VERSION,
+                library_versions(),
+                chain_fingerprint(self.transform),
+                self.as_contiguous,
+                self.allow_pickle,
+                get_track_meta(),
+            )[:16]
+        return str(variant)
 
     # -- reading --
     def _cache_index_of(self, index: int) -> int | None:
@@ -313,7 +446,9 @@ class CacheDataset(_MonaiCacheDataset):
         if isinstance(self._cache, SharedMemoryStore):
             # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
             # so no deep copy is needed whatever copy_cache says
-            data = self._cache.get_or_compute(cache_index, partial(self._load_cache_item, data_index))
+            data = self._cache.get_or_compute(
+                cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
+            )
             private = True
         else:
             data = self._cache[cache_index]
@@ -333,22 +468,39 @@ class CacheDataset(_MonaiCacheDataset):
         return data
 
     # -- bookkeeping --
-    def cache_stats(self) -> dict[str, dict[str, int]]:
-        """Cache counters: ``{"process": {...}, "machine": {...}}``.
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        """Cache counters: ``{"process": {...}, "total": {...}, "stored": {"entries", "bytes"}}``, the shape every
+        dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
-        ``process`` holds this process's ``hits``, ``misses`` (entries it computed), ``bytes_read``,
-        ``bytes_written``, ``skipped`` (items not stored: no room left, or a value the codec cannot store)
-        and ``corrupt`` (damaged entries removed); in a DataLoader worker these are the worker's own.
-        ``machine`` is shared by every process using the same shared-memory cache: ``bytes`` and
-        ``entries`` held, ``hits``, ``misses``, ``skipped``, ``corrupt``. With a private cache
-        (``shared_memory=False``), both hold this process's ``hits``, ``misses`` and ``entries``.
+        ``process`` counts this process (in a DataLoader worker: the worker); ``total`` is shared by every process
+        of the machine using the same shared-memory cache; ``stored`` is what the cache holds. With a private
+        cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
+        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes. With a
+        ``cache_dir``, ``"disk"`` holds the disk tier's counters (``misses`` above then counts items read from
+        disk or computed).
         """
         if isinstance(self._cache, SharedMemoryStore):
+            if self._disk is not None:
+                return {**self._cache.stats(), "disk": self._disk.stats()}
             return self._cache.stats()
-        counts = dict(self._counts)
-        counts["entries"] = sum(1 for i in range(len(self._cache)) if self._cache[i] is not None)
-        return {"process": counts, "machine": dict(counts)}
+        counts = dict.fromkeys(COUNTERS, 0)
+        counts.update(self._counts)
+        held = [self._cache[i] for i in range(len(self._cache))]
+        held = [item for item in held if item is not None]
+        return cache_stats(counts, counts, len(held), sum(codec.item_nbytes(item) for item in held))
 
     def release(self) -> None:
-        """Stop using the shared-memory cache now (it is removed if this was its last user)."""
+        """Stop using the shared-memory cache now (it is removed if this was its last user). A disk tier's
+        pending writes go on in the background (see :meth:`flush`)."""
         self._release_cache()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this process's pending writes to the disk tier (``cache_dir``) are on disk.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as needed.
+
+        Returns:
+            False if the timeout passed with writes still pending (True without a ``cache_dir``).
+        """
+        return True if self._disk is None else self._disk.flush(timeout)

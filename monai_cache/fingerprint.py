@@ -157,9 +157,11 @@ def _describe(obj: Any, depth: int = 0) -> str:
     return _ADDRESS.sub("", repr(obj))
 
 
-# Attributes that transforms overwrite on every call (not settings): MONAI's image readers remember the
-# last file they read. Left in, a transform that has already run would fingerprint differently.
-_VOLATILE_ATTRIBUTES = {"ImageReader": frozenset({"filenames"})}
+# Attributes that are state, not settings: MONAI's image readers remember the last file they read (left in, a
+# transform that has already run would fingerprint differently), and a random transform's generator is seeded
+# anew in every run unless the user sets a seed (left in, a cache holding random transforms, such as
+# CacheNTransDataset's, would never be found again by the next run; MONAI reuses those entries too).
+_VOLATILE_ATTRIBUTES = {"ImageReader": frozenset({"filenames"}), "Randomizable": frozenset({"R"})}
 
 
 class _SettingsPickler(pickle.Pickler):
@@ -188,11 +190,10 @@ class _SettingsPickler(pickle.Pickler):
                 return _user_code, ("function", _dumps_nested(self, _function_parts(obj)))
             finally:
                 self._in_progress.discard(id(obj))
-        for base in type(obj).__mro__:
-            skip = _VOLATILE_ATTRIBUTES.get(base.__name__)
-            if skip is not None and hasattr(obj, "__dict__"):
-                state = {k: v for k, v in vars(obj).items() if k not in skip}
-                return type(obj), (), state
+        skip = frozenset().union(*(_VOLATILE_ATTRIBUTES.get(base.__name__, ()) for base in type(obj).__mro__))
+        if skip and hasattr(obj, "__dict__"):
+            state = {k: v for k, v in vars(obj).items() if k not in skip}
+            return type(obj), (), state
         return NotImplemented
 
 
@@ -230,13 +231,20 @@ def transforms_fingerprint(transforms: Sequence[Callable]) -> str:
     return _digest_parts([names, *transforms])
 
 
-def chain_fingerprint(transform: Compose) -> str:
-    """SHA-256 of the part of a ``Compose`` that a cache stores: its leading deterministic transforms and the
-    ``Compose`` settings that change their output (``lazy`` fuses spatial transforms into one resampling)."""
+def chain_fingerprint(transform: Compose, cached: Sequence[Callable] | None = None) -> str:
+    """SHA-256 of the part of a ``Compose`` that a cache stores and the ``Compose`` settings that change its
+    output (``lazy`` fuses spatial transforms into one resampling).
+
+    Args:
+        transform: the dataset's chain.
+        cached: the transforms whose output the cache stores; default: the leading deterministic ones.
+    """
     settings = {
         name: getattr(transform, name, None) for name in ("lazy", "map_items", "unpack_items", "overrides")
     }
-    return fingerprint(transforms_fingerprint(cacheable_transforms(transform)), settings)
+    if cached is None:
+        cached = cacheable_transforms(transform)
+    return fingerprint(transforms_fingerprint(cached), settings)
 
 
 def library_versions() -> tuple[str, str]:

@@ -5,11 +5,11 @@ Thin glue over :mod:`monai_cache.disk` (files, writer thread) and :mod:`monai_ca
 
 from __future__ import annotations
 
-import hashlib
-import re
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +21,14 @@ from monai.utils import convert_to_tensor, look_up_option
 from torch.serialization import DEFAULT_PROTOCOL
 
 from monai_cache import codec
-from monai_cache.disk import (
-    DEFAULT_COMPRESSION_LEVEL,
-    DISK_FORMAT_VERSION,
-    MISSING,
-    DiskStore,
-    StoredEntry,
-    empty_stats,
-    prepare_cache_dir,
-    sweep_temp_files,
-)
-from monai_cache.fingerprint import chain_fingerprint, fingerprint, library_versions
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import DEFAULT_COMPRESSION_LEVEL, DISK_FORMAT_VERSION, StoredEntry, entry_key
+from monai_cache.fingerprint import cacheable_transforms, chain_fingerprint, fingerprint, library_versions
+from monai_cache.runtime import COUNTERS, cache_stats
+from monai_cache.shm import SharedMemoryStore
 
 __all__ = ["DEFAULT_COMPRESSION_LEVEL", "PersistentDataset"]
 
-
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
 def _as_dtype(value: Any, key: str) -> torch.dtype:
@@ -152,6 +144,19 @@ class PersistentDataset(_MonaiPersistentDataset):
         max_pending_writes: most items queued for the background writer in each process.
         max_pending_bytes: most bytes of encoded items queued for the background writer in each process (an int or a
             string such as ``"512MiB"``).
+        shared_dir: ``cache_dir`` is shared by several machines (a cluster file system) or by processes that may
+            miss the same item at once: an item missing everywhere is then computed by one process only, under an
+            entry lock in ``cache_dir`` (the others wait, then read it), and written before the lock is released
+            (so that write is not in the background). Needs a file system whose POSIX locks its clients share
+            (local disks, NFSv4, Lustre, GPFS); see docs/persistent.md.
+        shm_cache: keep a node-wide copy of the cached items in shared memory in front of ``cache_dir`` (one copy
+            per machine, shared by its ranks and DataLoader workers, as ``monai_cache.CacheDataset`` keeps): after
+            the first read on a machine, a read neither touches the disk nor decompresses. The entries on disk are
+            the ones written without it.
+        shm_dir: with ``shm_cache``: the tmpfs directory (default ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``).
+        shm_budget: with ``shm_cache``: most bytes the shared-memory copy may take (an int or a string such as
+            ``"8GiB"``); items beyond it are read from disk each time.
+        keep_warm: with ``shm_cache``: keep the shared-memory copy after the last process using it exits.
     """
 
     def __init__(
@@ -177,6 +182,11 @@ class PersistentDataset(_MonaiPersistentDataset):
         fsync: bool = False,
         max_pending_writes: int = 8,
         max_pending_bytes: int | str = "512MiB",
+        shared_dir: bool = False,
+        shm_cache: bool = False,
+        shm_dir: str | None = None,
+        shm_budget: int | str | None = None,
+        keep_warm: bool = False,
     ) -> None:
         if cache_dir is not None:  # MONAI would fail on the first write; with no cache_dir it never writes
             look_up_option(pickle_module, SUPPORTED_PICKLE_MOD)
@@ -192,7 +202,14 @@ class PersistentDataset(_MonaiPersistentDataset):
         self.fsync = fsync
         self.max_pending_writes = max_pending_writes
         self.max_pending_bytes = max_pending_bytes
+        self.shared_dir = shared_dir
+        self.shm_cache = shm_cache
+        self.shm_dir = shm_dir
+        self.shm_budget = shm_budget
+        self.keep_warm = keep_warm
         self._store: DiskStore | None = None
+        self._memory: SharedMemoryStore | None = None  # the shared-memory tier (shm_cache=True)
+        self._memory_slots: dict[str, int] = {}  # entry key -> its slot in the tier (a dict: set_rnd skips it)
         self._variant_state: dict[str, Any] = {}
         super().__init__(
             data=data,
@@ -216,8 +233,7 @@ class PersistentDataset(_MonaiPersistentDataset):
         if self.cache_dir is None:
             self._store = None
             return None
-        problem = prepare_cache_dir(self.cache_dir)  # raises ValueError if it is a file
-        store = DiskStore(
+        store = DiskStore.open(  # raises ValueError if cache_dir is a file
             self.cache_dir,
             compression=self.compression,
             compression_level=self.compression_level,
@@ -229,13 +245,32 @@ class PersistentDataset(_MonaiPersistentDataset):
             fsync=self.fsync,
             max_pending_writes=self.max_pending_writes,
             max_pending_bytes=self.max_pending_bytes,
+            shared=self.shared_dir,
         )
-        if problem is not None:
-            store.disable_writes(f"{problem}. Training continues uncached; pass a writable cache_dir to cache.")
-        else:
-            sweep_temp_files(str(self.cache_dir))
         self._store = store
+        self._open_memory_tier()
         return store
+
+    def _open_memory_tier(self) -> None:
+        """The shared-memory tier in front of the disk store (``shm_cache=True``): one slot per distinct entry
+        key of ``self.data``, in one cache per machine named by the directory, the variant and the keys."""
+        if self._memory is not None:
+            self._memory.release()
+            self._memory = None
+        if not self.shm_cache or self.cache_dir is None:
+            return
+        keys = list(dict.fromkeys(self._entry_key(item) for item in self.data))
+        self._memory_slots = {key: i for i, key in enumerate(keys)}
+        self._generation = getattr(self, "_generation", -1) + 1  # set_data() starts a new one
+        self._memory = SharedMemoryStore(
+            "pd-" + fingerprint(os.path.abspath(self.cache_dir), self._variant_key(), keys, self._generation)[:40],
+            len(keys),
+            shm_dir=self.shm_dir,
+            budget=self.shm_budget,
+            keep_warm=self.keep_warm,
+            allow_pickle=self.allow_pickle,
+            disk_tier=str(self.cache_dir),
+        )
 
     def _get_store(self) -> DiskStore | None:
         store = self._store
@@ -250,38 +285,46 @@ class PersistentDataset(_MonaiPersistentDataset):
         ``hash_transform`` is in use) and the options that change the stored content.
 
         The transform fingerprint is taken once (at construction, before the transforms have run: some keep
-        state such as the last file name read) and kept for as long as ``self.transform`` is the same object,
-        in this process, in forked workers and in pickled copies (spawned workers) alike.
+        state such as the last file name read) and kept for as long as ``self.transform`` is the same object and
+        caches as many transforms, in this process, in forked workers and in pickled copies (spawned workers)
+        alike.
         """
         explicit = bool(self.transform_hash)
-        sig = (
-            explicit,
+        sig = (explicit, *self._variant_options())
+        cached = self._cached_transforms()
+        state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
+        if state.get("transform") is not self.transform or state.get("cached") != len(cached):
+            state["xform"] = chain_fingerprint(self.transform, cached)
+            state["transform"], state["cached"] = self.transform, len(cached)
+            state.pop("sig", None)
+        if state.get("sig") != sig:
+            xform = None if explicit else state["xform"]
+            state["key"] = fingerprint(
+                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, library_versions(), xform,
+                *sig,
+            )[:16]
+            state["sig"] = sig
+        return str(state["key"])
+
+    # hooks for subclasses that cache other transforms or store with other options (CacheNTransDataset)
+    def _cached_transforms(self) -> Sequence[Callable]:
+        """The transforms whose output an entry holds, fingerprinted in its name: MONAI's, up to the first random
+        one (or non-``Transform``)."""
+        return cacheable_transforms(self.transform)
+
+    def _variant_options(self) -> tuple:
+        """The options that change what an entry holds, part of its name."""
+        return (
             bool(self.track_meta),
             bool(self.reset_ops_id),
             bool(self.allow_pickle),
             tuple(sorted((k, str(v)) for k, v in self.lossy_dtypes.items())),
             bool(get_track_meta()),
         )
-        state = self._variant_state  # a dict: MONAI's worker seeding (set_rnd) does not walk into it
-        if state.get("transform") is not self.transform or state.get("sig") != sig:
-            if state.get("transform") is not self.transform or "xform" not in state:
-                state["xform"] = chain_fingerprint(self.transform)
-            xform = None if explicit else state["xform"]
-            state["key"] = fingerprint(
-                "monai_cache.PersistentDataset", DISK_FORMAT_VERSION, codec.FORMAT_VERSION, library_versions(), xform,
-                *sig,
-            )[:16]
-            state["transform"] = self.transform
-            state["sig"] = sig
-        return str(state["key"])
 
     def _entry_key(self, item: Any) -> str:
         """The file name (without ``.mcache``) of ``item``'s entry: MONAI's name plus the variant."""
-        data_item_hash = self.hash_func(item).decode("utf-8") + self.transform_hash
-        key = f"{data_item_hash}-{self._variant_key()}"
-        if not _SAFE_NAME.fullmatch(key) or key.startswith("."):  # custom hash functions: keep names safe
-            key = hashlib.sha256(key.encode()).hexdigest()
-        return key
+        return entry_key(self.hash_func(item).decode("utf-8") + self.transform_hash, self._variant_key())
 
     def _as_cached(self, item: Any) -> Any:
         """What both cache paths return: MONAI's stored form, rounded like the stored copy for lossy keys."""
@@ -308,16 +351,17 @@ class PersistentDataset(_MonaiPersistentDataset):
             The transformed data item, either from cache, or explicitly computing it.
         """
         store = self._get_store()
-        key = None
-        if store is not None:
-            key = self._entry_key(item_transformed)
-            cached = store.get(key)
-            if cached is not MISSING:
-                return cached
-        item = self._as_cached(self._pre_transform(deepcopy(item_transformed)))  # keep the original hashed
-        if store is not None and key is not None:
-            store.put(key, item)
-        return item
+
+        def compute() -> Any:
+            return self._as_cached(self._pre_transform(deepcopy(item_transformed)))  # keep the original hashed
+
+        if store is None:
+            return compute()
+        key = self._entry_key(item_transformed)
+        memory, slot = self._memory, self._memory_slots.get(key)
+        if memory is not None and slot is not None:  # two tiers: a miss in memory reads (or fills) the disk
+            return memory.get_or_compute(slot, partial(store.get_or_compute, key, compute))
+        return store.get_or_compute(key, compute)
 
     def set_data(self, data: Sequence) -> None:
         """Set the input data and delete all the out-dated cache content (the whole ``cache_dir``, as in MONAI).
@@ -331,25 +375,35 @@ class PersistentDataset(_MonaiPersistentDataset):
         self.data = data
         if self._store is not None:
             self._store.discard_pending()
-        if self.cache_dir is not None and self.cache_dir.exists():
-            shutil.rmtree(self.cache_dir, ignore_errors=True)
-            self._open_store()
+        if self.cache_dir is not None:
+            if self.cache_dir.exists():
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
+            self._open_store()  # and a new shared-memory tier for the new data
 
     # -- extras --
     def cache_stats(self) -> dict[str, dict[str, Any]]:
-        """Cache counters: ``{"process": {...}, "total": {...}}``.
+        """Cache counters: ``{"process": {...}, "total": {...}, "stored": {"entries", "bytes"}}``, the shape
+        every dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
-        ``process`` counts this process only (in a DataLoader worker: that worker); ``total`` sums this
-        process and the DataLoader workers forked from it (spawned workers keep their own). Keys:
-        ``hits``, ``misses``, ``corrupt`` (bad files removed, bad packed records ignored), ``unsupported``
-        (items not cacheable without pickle), ``writes`` (entries written), ``write_errors``, ``skipped``
-        (writes found done already or not possible), ``writes_pending``, ``bytes_read``, ``bytes_written``
-        (file bytes), ``bytes_raw`` (tensor bytes of the written items in memory), ``bytes_encoded`` (after
-        downcasting, before compression) and ``compression_ratio`` (``bytes_raw / bytes_written``). All zero
-        when ``cache_dir`` is None.
+        ``total`` sums this process and the DataLoader workers forked from it (spawned workers keep their
+        own); ``stored`` counts the entries in ``cache_dir`` now. All zero when ``cache_dir`` is None.
+
+        With ``shm_cache=True`` the counters are those of the shared-memory tier (``total``: every process of
+        the machine; ``misses``: items it read from disk or computed), and ``"disk"`` holds the disk store's.
         """
         store = self._get_store()
-        return empty_stats() if store is None else store.stats()
+        if store is None:
+            zeros = dict.fromkeys(COUNTERS, 0)
+            return cache_stats(zeros, zeros, 0, 0)
+        if self._memory is not None:
+            return {**self._memory.stats(), "disk": store.stats()}
+        return store.stats()
+
+    def release(self) -> None:
+        """Stop using the shared-memory tier now (``shm_cache=True``; it is removed if this was its last user).
+        The disk cache stays."""
+        if self._memory is not None:
+            self._memory.release()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until this process's pending cache writes are on disk.

@@ -11,15 +11,19 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import warnings
-from collections.abc import Iterator, Mapping, Sized
+import weakref
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
+from monai_cache.errors import MonaiCacheWarning, warn
+from monai_cache.runtime import node_identity
+
 __all__ = ["ShardedDistributedSampler"]
+
 
 _SHARD_BY = ("rank", "node")
 _MASK64 = (1 << 64) - 1
@@ -83,6 +87,92 @@ def _fit_to_length(shard: torch.Tensor, length: int, epoch: int, n: int, group: 
         return shard[keep]
     pad = length - size
     return torch.cat([shard, shard[(torch.arange(pad, dtype=torch.int64) + (epoch + group) * pad) % size]])
+
+
+# identities of the ranks of a process group, gathered once per group (and process)
+_gathered_identities: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _identities_of_process_group() -> list[str]:
+    """``node_identity()`` of every rank of the default process group, by rank; one all-gather per group."""
+    group = dist.group.WORLD
+    identities = _gathered_identities.get(group)
+    if identities is None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, node_identity())
+        identities = _gathered_identities[group] = [str(x) for x in gathered]
+    return identities
+
+
+def _local_world_size_from_identities(identities: Sequence[str]) -> int:
+    """Ranks per node given each rank's machine identity (by rank), checked against node mode's layout.
+
+    Node mode assumes every node has the same number of ranks ``L`` and numbers them contiguously: node
+    ``k`` holds ranks ``k * L ... k * L + L - 1`` (``node = rank // L``).
+
+    Args:
+        identities: ``identities[r]`` names the machine of rank ``r`` (see ``monai_cache.runtime.node_identity``).
+
+    Returns:
+        ``L``, the number of ranks per node.
+
+    Raises:
+        ValueError: the nodes have different numbers of ranks, or their ranks are not contiguous; the message
+            lists the ranks found on each machine.
+    """
+    ranks_of: dict[str, list[int]] = {}
+    for r, identity in enumerate(identities):
+        ranks_of.setdefault(identity, []).append(r)
+
+    def found() -> str:
+        shown = [f"{identity}: ranks {_format_ranks(ranks)}" for identity, ranks in list(ranks_of.items())[:8]]
+        more = f"; ... ({len(ranks_of) - 8} more machines)" if len(ranks_of) > 8 else ""
+        return "; ".join(shown) + more
+
+    sizes = {len(ranks) for ranks in ranks_of.values()}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"shard_by='node' needs the same number of ranks on every machine, but found {found()}. "
+            "Launch the same number of processes per machine, or use shard_by='rank'."
+        )
+    local = sizes.pop()
+    if any(ranks != list(range(ranks[0], ranks[0] + local)) for ranks in ranks_of.values()):
+        raise ValueError(
+            f"shard_by='node' needs the ranks of each machine numbered contiguously (node = rank // "
+            f"{local}), but found {found()}. Launch with ranks numbered by machine (torchrun does; with srun "
+            "use --distribution=block, with mpirun --map-by slot), or use shard_by='rank'; passing "
+            f"local_world_size={local} would use this layout anyway, with node shards that do not match the "
+            "machines (a per-machine cache then misses)."
+        )
+    return local
+
+
+def _format_ranks(ranks: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, ranks[:6])) + (", ...]" if len(ranks) > 6 else "]")
+
+
+def _local_world_size_of_process_group(num_replicas: int, rank: int) -> int:
+    """Ranks per node found by gathering every rank's machine identity over the default process group.
+
+    Only gathers when the process group describes the sampler's layout (same world size and rank), so that
+    every rank takes part: a collective started on a subset of the ranks would wait forever.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized and (dist.get_world_size(), dist.get_rank()) == (num_replicas, rank):
+        return _local_world_size_from_identities(_identities_of_process_group())
+    if initialized:
+        reason = (
+            f"num_replicas={num_replicas}, rank={rank} differ from the process group's (world size "
+            f"{dist.get_world_size()}, rank {dist.get_rank()}), so the ranks of each machine cannot be gathered"
+        )
+    else:
+        reason = "torch.distributed is not initialised and LOCAL_WORLD_SIZE is not set"
+    raise ValueError(
+        f"shard_by='node' needs the number of ranks per node, but {reason}. Pass local_world_size=..., "
+        "build the sampler on every rank after torch.distributed.init_process_group(), with num_replicas "
+        "and rank left out or equal to the group's (the ranks of each machine are then found by one all-gather "
+        "of host names), or run under torchrun, which sets LOCAL_WORLD_SIZE."
+    )
 
 
 class ShardedDistributedSampler(DistributedSampler):
@@ -161,16 +251,26 @@ class ShardedDistributedSampler(DistributedSampler):
         shard_by: keyword only. ``"rank"`` (default): each rank owns a fixed shard, for caches private to one
             process. ``"node"``: each node (machine) owns a fixed shard that is re-dealt among its ranks every
             epoch, for caches shared by the processes of a machine; better-mixed batches, same cache hits.
-        local_world_size: keyword only; number of ranks per node, used with ``shard_by="node"``. Default: the
-            ``LOCAL_WORLD_SIZE`` environment variable that torchrun sets. Must divide ``num_replicas``; the node
-            of a rank is ``rank // local_world_size``, because torchrun numbers the ranks of a node
-            contiguously (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``). When ``RANK``, ``LOCAL_RANK``
-            and ``GROUP_RANK`` describe this process, they are checked against that rule.
+        local_world_size: keyword only; number of ranks per node, used with ``shard_by="node"``. Must divide
+            ``num_replicas``; the node of a rank is ``rank // local_world_size``, i.e. the ranks of a node are
+            numbered contiguously, as torchrun does (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``).
+            ``None`` (default): the ``LOCAL_WORLD_SIZE`` environment variable when set (torchrun sets it; when
+            ``RANK``, ``LOCAL_RANK`` and ``GROUP_RANK`` describe this process they are checked against the rule
+            above). Otherwise, when ``torch.distributed`` is initialised with this sampler's world size and
+            rank, the ranks of each machine are found by gathering every rank's host name over the default
+            process group (any launcher: Lightning, ``srun``, ``mpirun``...): a collective, so build the
+            sampler on every rank, as any collective requires (with NCCL, after
+            ``torch.cuda.set_device(local_rank)``, as torch's object collectives need). It runs once per
+            process group; later samplers reuse its result. The layout found must match node mode: the same
+            number of ranks on every machine, numbered contiguously, else a ``ValueError`` names the ranks
+            found on each machine. The ``MONAI_CACHE_NODE_ID`` environment variable, when set, replaces the
+            host name as a process's machine identity (ranks with equal values form a node).
 
     Raises:
         ValueError: the dataset is empty, ``rank`` is outside ``[0, num_replicas - 1]``, ``drop_last=True``
-            with fewer items than ranks, ``shard_by`` is unknown, ``local_world_size`` is missing or does not
-            divide ``num_replicas``, or ``even_divisible=False`` is combined with ``drop_last=True`` or
+            with fewer items than ranks, ``shard_by`` is unknown, ``local_world_size`` cannot be found (see
+            above) or does not divide ``num_replicas``, the machines found have different numbers of ranks or
+            ranks not numbered contiguously, or ``even_divisible=False`` is combined with ``drop_last=True`` or
             fewer items than ranks. Also the errors of ``torch.distributed`` when ``num_replicas`` or ``rank``
             is left out and no process group is initialised.
     """
@@ -268,15 +368,13 @@ class ShardedDistributedSampler(DistributedSampler):
     def _resolve_local_world_size(local_world_size: int | None, num_replicas: int, rank: int) -> int:
         if local_world_size is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
-            if env is None:
-                raise ValueError(
-                    "shard_by='node' needs the number of ranks per node: pass local_world_size=..., or run "
-                    "under torchrun, which sets the LOCAL_WORLD_SIZE environment variable."
-                )
-            try:
-                local_world_size = int(env)
-            except ValueError:
-                raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
+            if env is not None:
+                try:
+                    local_world_size = int(env)
+                except ValueError:
+                    raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
+            else:
+                return _local_world_size_of_process_group(num_replicas, rank)
         if not _is_int(local_world_size) or local_world_size < 1:
             raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}.")
         local_world_size = int(local_world_size)
@@ -292,13 +390,13 @@ class ShardedDistributedSampler(DistributedSampler):
             got_node = int(env_group) if env_group is not None and env_group.lstrip("-").isdigit() else expected[0]
             got_local = int(env_local) if env_local.lstrip("-").isdigit() else expected[1]
             if (got_node, got_local) != expected:
-                warnings.warn(
+                warn(
                     f"rank {rank} has LOCAL_RANK={env_local}, GROUP_RANK={env_group}, but shard_by='node' "
                     f"assumes node {expected[0]}, local rank {expected[1]} (rank // local_world_size, "
                     f"local_world_size={local_world_size}). Sampling stays correct, but a node's shard will not "
                     "match the machine, so a per-node cache will miss; check local_world_size / the launcher.",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    MonaiCacheWarning,
+                    stacklevel=4,
                 )
         return local_world_size
 

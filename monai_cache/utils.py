@@ -1,16 +1,11 @@
-"""Small helpers shared by the stores: byte sizes, locks, warnings."""
+"""Byte sizes (parsing ``"8GiB"``, printing ``1.5 KiB``) and text tables, for the command line and the demo."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
 import re
-import struct
-import time
-import warnings
+from collections.abc import Sequence
 
-__all__ = ["OFDLock", "format_bytes", "ofd_lock", "ofd_unlock", "parse_bytes", "pid_alive", "warn"]
+__all__ = ["format_bytes", "format_table", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -49,93 +44,21 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def warn(message: str, stacklevel: int = 3) -> None:
-    warnings.warn(f"monai_cache: {message}", RuntimeWarning, stacklevel=stacklevel)
+def format_table(rows: Sequence[Sequence[str]], left: int = 1, markdown: bool = False, rule: bool = False) -> str:
+    """Rows of cells as aligned text, or as a Markdown table; the first row is the header.
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self")  # gone since kill(), unless there is no /proc to ask
-    except OSError:
-        return True
-    # "pid (comm) state ...": comm may hold spaces and parentheses, so the state follows the last ")"
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
-
-
-# struct flock on Linux (x86-64 and aarch64): short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid.
-_FLOCK = struct.Struct("hhqqi4x")
-
-
-def ofd_lock(fd: int, start: int = 0, blocking: bool = True) -> bool:
-    """Take the OFD write lock on byte ``start`` of the file open as ``fd``; False if busy and not ``blocking``."""
-    while True:
-        try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if blocking else fcntl.F_OFD_SETLK,
-                        _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
-            return True
-        except OSError as e:
-            if not blocking and e.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            if e.errno in (errno.EINTR, errno.EDEADLK):
-                time.sleep(0.001)
-                continue
-            raise
-
-
-def ofd_unlock(fd: int, start: int = 0) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
-
-
-class OFDLock:
-    """A byte-range lock owned by an open file description (Linux OFD lock).
-
-    Unlike ``fcntl.lockf`` locks, these are not shared by the threads of a process (each acquisition opens
-    its own descriptor), are not lost when another descriptor of the file is closed, and are released by
-    the kernel when the holder dies: a dead holder never blocks anyone.
+    Args:
+        rows: the header, then the body; every row has as many cells as the header.
+        left: how many leading columns are aligned left (the others are aligned right).
+        markdown: a Markdown table instead of aligned text.
+        rule: a line of dashes under the header (aligned text only).
     """
-
-    __slots__ = ("_fd", "_path", "_start")
-
-    def __init__(self, path: str, start: int = 0) -> None:
-        self._path = path
-        self._start = start
-        self._fd = -1
-
-    def acquire(self, blocking: bool = True) -> bool:
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            if ofd_lock(self._fd, self._start, blocking):
-                return True
-        except BaseException:
-            os.close(self._fd)
-            self._fd = -1
-            raise
-        os.close(self._fd)
-        self._fd = -1
-        return False
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            try:
-                ofd_unlock(self._fd, self._start)
-            finally:
-                os.close(self._fd)
-                self._fd = -1
-
-    def __enter__(self) -> OFDLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    if markdown:
+        align = ["---"] * left + ["---:"] * (len(rows[0]) - left)
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join([lines[0], "|" + "|".join(align) + "|", *lines[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)

@@ -4,6 +4,7 @@ across processes (by appending to a file), so tests can tell how often determini
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import socket
@@ -136,6 +137,21 @@ def chain(log_path: str | None = None, crop: int | None = 8) -> Compose:
     return Compose(ts)
 
 
+def open_for_writing(pid: int, directory) -> int:
+    """How many files of ``directory`` process ``pid`` holds open for writing (a writer is inside a write)."""
+    n = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not target.startswith(str(directory) + "/"):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+                n += (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+    return n
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,3 +201,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_signature_extends(ours: type, theirs: type) -> list[str]:
+    """``ours.__init__`` takes every parameter of ``theirs.__init__`` in the same order, kind and default, and
+    adds only keyword-only ones (or ``**options``); returns the added names."""
+    params, monai_params = inspect.signature(ours.__init__).parameters, inspect.signature(theirs.__init__).parameters
+    assert list(params)[: len(monai_params)] == list(monai_params)
+    for name, p in monai_params.items():
+        assert params[name].default == p.default and params[name].kind == p.kind, name
+    extras = list(params)[len(monai_params) :]
+    added = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+    assert extras and all(params[n].kind in added for n in extras), extras
+    assert issubclass(ours, theirs)
+    return extras

@@ -16,14 +16,14 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "c
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch_ranks(world: int, args: list[str]) -> list[dict]:
-    """Start ``world`` ranks as independent processes with torchrun's environment variables."""
+def launch_ranks(world: int, args: list[str], script: str = SCRIPT) -> list[dict]:
+    """Start ``world`` ranks of ``script`` as independent processes with torchrun's environment variables."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -50,8 +50,8 @@ def test_two_gloo_ranks_compute_each_item_once_on_the_machine(shm_dir, volumes, 
     seen = sorted(case for r in results for case in r["seen"])
     assert seen == sorted(list(range(len(volumes))) * 2)  # 2 epochs, every item once per epoch
     assert results[0]["path"] == results[1]["path"]
-    assert results[0]["machine"]["misses"] == len(volumes)
-    assert results[0]["machine"]["entries"] == len(volumes)
+    assert results[0]["total"]["misses"] == len(volumes)
+    assert results[0]["stored"]["entries"] == len(volumes)
     assert not os.path.exists(results[0]["path"])  # the last rank to exit removed the cache
     assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
 

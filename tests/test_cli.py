@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from monai_cache import bench, cli
+from monai_cache import cli
 
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ def disk_cache(tmp_path):
 
 
 def test_info_verify_clear_disk_cache(disk_cache):
-    from monai_cache.disk import stored_entries
+    from monai_cache.disk_format import stored_entries
 
     entries = list(stored_entries(str(disk_cache)))
     assert len(entries) == 4 and all(e.packed for e in entries)  # tiny items: records in one pack
@@ -180,80 +180,21 @@ def test_disk_commands_on_missing_dir_exit_2(tmp_path):
     assert "not a directory" in cl("clear", "--cache-dir", str(tmp_path / "nope"), check=2).stderr
 
 
-def test_clear_removes_an_emptied_cache_dir(tmp_path):
-    from monai_cache.disk import DISK_MAGIC
+def test_clear_removes_an_emptied_cache_dir(tmp_path, capsys):
+    from monai_cache.disk_format import DISK_MAGIC
 
     d = tmp_path / "c"
     d.mkdir()
     (d / "k.mcache").write_bytes(DISK_MAGIC + bytes(100))
     (d / ".k.abcd1234.123.w0.tmp").write_bytes(b"partial")
-    out = cli.clear_disk_cache(str(d))
+    assert cli.main(["clear", "--cache-dir", str(d), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["removed"] == 2 and out["removed_dir"] and not d.exists()
 
 
-# ------------------------------------------------------------------------------------------- bench
-_STUBS = {
-    "bench_cache.py": """
-        import json, os, sys
-        out = sys.argv[sys.argv.index("--out") + 1]
-        os.makedirs(out, exist_ok=True)
-        rec = lambda cfg, label, e: {"config": cfg, "label": label, "ranks": 1, "workers": 1, "epoch_s": e,
-                                      "mem_peak": 300 << 20, "mem_mean": 200 << 20}
-        json.dump({"records": [rec("monai", "MONAI", [3, 1, 1]), rec("monai-cache", "ours", [2, 0.5, 0.5])]},
-                  open(os.path.join(out, "bench.json"), "w"))
-        open(os.path.join(out, "bench.md"), "w").write("### 1 rank(s)\\n\\n| a | b |\\n|---|---|\\n| 1 | 2 |\\n")
-        print("cache table")
-    """,
-    "bench_persistent.py": """
-        import json, sys
-        json.dump({"bytes": {"nii.gz": 100000, "monai": 400000, "ours_default": 90000,
-                   "variants": [{"variant": "zstd-3", "bytes": 80000}]}},
-                  open(sys.argv[sys.argv.index("--json") + 1], "w"))
-        print("## Bytes on disk per item")
-    """,
-    "bench_sampler.py": """
-        print("# sampler benchmark")
-        print("| kind | hit rate |")
-        print("|---|---|")
-        print("| ours | 100% |")
-    """,
-    "bench_scale.py": """
-        import json, os, sys
-        out = sys.argv[sys.argv.index("--out") + 1]
-        os.makedirs(out, exist_ok=True)
-        json.dump({"rows": [], "large": []}, open(os.path.join(out, "bench_scale.json"), "w"))
-        open(os.path.join(out, "report.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
-        import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-        plt.plot([1, 2]); plt.savefig(os.path.join(out, "bench_scale.png"))
-    """,
-}
-
-
-def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
-    pytest.importorskip("matplotlib")
-    stubs = tmp_path / "benchmarks"
-    stubs.mkdir()
-    for name, code in _STUBS.items():
-        (stubs / name).write_text(textwrap.dedent(code))
-    docs = tmp_path / "docs"
-    p = cl("bench", "--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
-    summary = json.loads(p.stdout)  # --json: nothing else on stdout
-    assert summary["failed"] == [] and set(summary["benchmarks"]) == {"cache", "persistent", "sampler", "scale"}
-    assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
-    report = (docs / "benchmarks.md").read_text()
-    assert "**Machine:**" in report and "load average" in report and "CPU cores" in report
-    assert "| 1 | 2 |" in report and "### sampler benchmark" in report and "Bytes on disk per item" in report
-    assert "| ours-cache | 2,000 |" in report
-    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png"):
-        assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"img/{png}" in report
-
-
-def test_bench_without_scripts_exits_2(tmp_path):
-    p = cl("bench", "--benchmarks-dir", str(tmp_path), check=2)
-    assert "--benchmarks-dir" in p.stderr and "not" in p.stderr
-    assert cl("bench", "--only", "nonsense", check=2).stderr.startswith("monai-cache bench: unknown")
-
-
-def test_bench_finds_the_checkout_scripts():
-    assert bench.find_benchmarks() == __import__("pathlib").Path(REPO, "benchmarks").resolve()
+def test_bench_is_not_a_command_of_the_package():
+    """The benchmarks ship with the repository (benchmarks/report.py), not in the installed package."""
+    assert "bench" not in {c.name for c in cli.COMMANDS}
+    with pytest.raises(SystemExit) as exit_info:  # argparse: an unknown command
+        cl("bench")
+    assert exit_info.value.code == 2

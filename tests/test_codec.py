@@ -20,6 +20,7 @@ from monai.data import MetaTensor
 from monai.utils.enums import MetaKeys, SpaceKeys, TraceKeys
 
 from monai_cache import codec
+from monai_cache import downcast as downcast_module
 from monai_cache.codec import ALIGN, FORMAT_VERSION, MAGIC, CorruptEntryError, UnsupportedValueError, decode, encode
 
 
@@ -220,7 +221,7 @@ def test_downcast_stores_small_types():
 )
 def test_lossless_check_looks_at_every_piece_of_a_large_tensor(monkeypatch, spoil, stored):
     """The check runs piecewise (bounded temporaries); a value that forbids a dtype in the *last* piece counts."""
-    monkeypatch.setattr(codec, "_CHECK_CHUNK", 1000)
+    monkeypatch.setattr(downcast_module, "_CHECK_CHUNK", 1000)
     t = torch.randint(-1000, 1000, (4, 2501)).float()  # 10,004 values: 11 pieces, the last one of 4 values
     if spoil is not None:
         t.view(-1)[-1] = spoil
@@ -249,7 +250,7 @@ def _reference_target(t: torch.Tensor) -> torch.dtype | None:
 def test_lossless_target_matches_the_whole_tensor_definition(monkeypatch, dtype, kind):
     """Probe, pieces, numpy casts: the chosen dtype is the first smaller one through which every value survives
     a round trip with torch, bit for bit (what the decoder does), and the round trip is exact."""
-    monkeypatch.setattr(codec, "_CHECK_CHUNK", 1000)
+    monkeypatch.setattr(downcast_module, "_CHECK_CHUNK", 1000)
     g = torch.Generator().manual_seed(hash((str(dtype), kind)) % 2**31)
     n = 7001
     t = {

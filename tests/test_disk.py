@@ -29,12 +29,13 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
+from helpers import mounted_tmpfs, one_torch_thread, open_for_writing  # noqa: F401 (an autouse fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monai_cache import codec, disk
-from monai_cache.disk import HEADER_SIZE, INDEX_RECORD_SIZE, MISSING, DiskStore, read_entry, read_header
+from monai_cache import codec, disk, disk_format, disk_writer, runtime
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.disk_format import HEADER_SIZE, INDEX_RECORD_SIZE, read_entry, read_header
 
 FORK = multiprocessing.get_context("fork")
 
@@ -72,16 +73,16 @@ def monai_cache_warnings(records) -> list[str]:
 
 
 class SlowWrites:
-    """Slow down :func:`monai_cache.disk.write_entry` (the file write itself) by ``delay`` seconds."""
+    """Slow down :func:`monai_cache.disk_writer.write_record` (the file write itself) by ``delay`` seconds."""
 
     def __init__(self, monkeypatch, delay: float) -> None:
-        original = disk.write_entry
+        original = disk_writer.write_record
 
         def slow(*args, **kwargs):
             time.sleep(delay)
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(disk, "write_entry", slow)
+        monkeypatch.setattr(disk_writer, "write_record", slow)
 
 
 # ---------------------------------------------------------------------------------------------- format
@@ -89,7 +90,7 @@ class SlowWrites:
 @pytest.mark.parametrize("compression", ["zstd", None])
 @pytest.mark.parametrize("async_writes", [True, False])
 def test_roundtrip_modes_and_permissions(tmp_path, compression, async_writes, packed):
-    limit = disk.PACK_LIMIT if packed else 0
+    limit = disk_format.PACK_LIMIT if packed else 0
     store = DiskStore(tmp_path, compression=compression, async_writes=async_writes, pack_limit=limit)
     item = item_for("a")
     item["meta"] = {"affine": np.diag([1.5, 1.5, 2.0, 1.0]), "name": "x.nii.gz", "n": np.int64(3)}
@@ -242,7 +243,7 @@ def test_every_single_bit_flip_is_detected(tmp_path, compression):
             for bit in range(8):
                 os.pwrite(fd, bytes([raw[byte] ^ (1 << bit)]), byte)
                 try:
-                    disk.read_blob(fd, "k")
+                    disk_format.read_blob(fd, "k")
                     undetected.append((byte, bit))
                 except codec.CorruptEntryError:
                     pass
@@ -268,7 +269,7 @@ def test_damaged_files_never_raise_anything_but_corrupt(tmp_path, data):
     if mode == "random":
         bad = bytearray(data.draw(st.binary(max_size=400)))
         if data.draw(st.booleans()) and len(bad) >= 8:
-            bad[:8] = disk.DISK_MAGIC
+            bad[:8] = disk_format.DISK_MAGIC
     elif mode == "edit":
         bad = bytearray(raw)
         for _ in range(data.draw(st.integers(1, 6))):
@@ -358,13 +359,13 @@ def test_bounded_queue_applies_back_pressure(tmp_path, monkeypatch):
 
 def _child_puts_then_returns(directory: str, keys: list[str]) -> None:
     torch.set_num_threads(1)  # as in DataLoader workers: OpenMP pools do not survive fork
-    original = disk.write_entry
+    original = disk_writer.write_record
 
     def slow(*args, **kwargs):
         time.sleep(0.2)
         return original(*args, **kwargs)
 
-    disk.write_entry = slow
+    disk_writer.write_record = slow
     store = DiskStore(directory)
     for key in keys:
         store.put(key, item_for(key))
@@ -385,13 +386,13 @@ def test_pending_writes_flushed_when_the_main_process_exits(tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from monai_cache import disk
+        from monai_cache import disk, disk_writer
         from test_disk import item_for
-        original = disk.write_entry
+        original = disk_writer.write_record
         def slow(*a, **k):
             time.sleep(0.3)
             return original(*a, **k)
-        disk.write_entry = slow
+        disk_writer.write_record = slow
         store = disk.DiskStore({str(tmp_path)!r})
         for key in ("a", "b"):
             store.put(key, item_for(key))
@@ -451,10 +452,10 @@ def _writer_forever(directory: str, start: int) -> None:
 def test_sigkill_at_random_moments_never_leaves_a_readable_partial_file(tmp_path):
     rng = random.Random(1234)
     start = 0
-    kills = leftovers = 0
+    kills = in_write = 0
     # At least 8 kills, and go on (up to 40) until some kill has landed inside a write: on a loaded
     # machine a kill can keep landing between writes, and then the test would prove nothing.
-    while kills < 8 or (leftovers == 0 and kills < 40):
+    while kills < 8 or (in_write == 0 and kills < 40):
         before = len(os.listdir(tmp_path))
         p = FORK.Process(target=_writer_forever, args=(str(tmp_path), start))
         p.start()
@@ -462,19 +463,20 @@ def test_sigkill_at_random_moments_never_leaves_a_readable_partial_file(tmp_path
         while len(os.listdir(tmp_path)) == before and time.monotonic() < deadline:
             time.sleep(0.005)  # wait until this writer is writing, however slow its start
         time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(p.pid, signal.SIGSTOP)  # look at what it holds at the moment it dies
+        in_write += open_for_writing(p.pid, tmp_path) > 0
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert p.exitcode == -signal.SIGKILL
         kills += 1
-        leftovers += sum(1 for n in os.listdir(tmp_path) if n.endswith(".tmp"))
         start += 1000
     entries = [n for n in os.listdir(tmp_path) if n.endswith(".mcache")]
     assert entries, "the writer never completed a file"
-    assert leftovers > 0, "no kill landed during a write (the test did not exercise the hazard)"
+    assert in_write > 0, "no kill landed during a write (the test did not exercise the hazard)"
     for name in entries:  # every file under a final name is complete and holds its own item
         key = name[: -len(".mcache")]
         assert_same(read_entry(os.path.join(tmp_path, name)), item_for(key, 512 << 10))
-    assert disk.sweep_temp_files(str(tmp_path)) > 0  # the killed writers' temporary files are reclaimed
+    assert len(runtime.sweep_temp_files(str(tmp_path))) > 0  # the killed writers' temporary files are reclaimed
     assert all(n.endswith(".mcache") for n in os.listdir(tmp_path))
 
 
@@ -567,16 +569,16 @@ def test_read_only_directory(tmp_path):
 
 
 def test_sweep_keeps_live_writers_temp_files(tmp_path):
-    live = tmp_path / f".k.{disk._HOST_TAG}.{os.getpid()}.w0.tmp"
+    live = tmp_path / f".k.{runtime.HOST_TAG}.{os.getpid()}.w0.tmp"
     dead_pid = FORK.Process(target=int)
     dead_pid.start()
     dead_pid.join()
-    dead = tmp_path / f".k.{disk._HOST_TAG}.{dead_pid.pid}.w0.tmp"
+    dead = tmp_path / f".k.{runtime.HOST_TAG}.{dead_pid.pid}.w0.tmp"
     other_host = tmp_path / f".k.deadbeef.{dead_pid.pid}.w0.tmp"
     for p in (live, dead, other_host):
         p.write_bytes(b"partial")
-    assert disk.sweep_temp_files(str(tmp_path)) == 1
+    assert [path for path, _size in runtime.sweep_temp_files(str(tmp_path))] == [str(dead)]
     assert live.exists() and other_host.exists() and not dead.exists()
-    old = time.time() - 2 * disk.STALE_TMP_SECONDS
+    old = time.time() - 2 * runtime.STALE_TMP_SECONDS
     os.utime(other_host, (old, old))
-    assert disk.sweep_temp_files(str(tmp_path)) == 1 and not other_host.exists()
+    assert len(runtime.sweep_temp_files(str(tmp_path))) == 1 and not other_host.exists()

@@ -18,9 +18,11 @@ import pytest
 import torch
 from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
 
-from monai_cache import disk
-from monai_cache.cli import disk_cache_info, verify_disk_cache
-from monai_cache.disk import INDEX_RECORD_SIZE, MISSING, PACK_SUFFIX, DiskStore, stored_entries
+from monai_cache import disk_format, disk_writer
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.disk_format import INDEX_RECORD_SIZE, PACK_SUFFIX, stored_entries
+from monai_cache.disk_format import summarize as disk_cache_info
+from monai_cache.disk_format import verify as verify_disk_cache
 
 FORK = multiprocessing.get_context("fork")
 ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
@@ -77,12 +79,12 @@ def test_small_items_are_packed_and_read_back(tmp_path, compression):
 
 def test_large_items_keep_a_file_of_their_own(tmp_path):
     store = DiskStore(tmp_path, async_writes=False, compression=None)
-    numel = disk.PACK_LIMIT // 4 + 16  # just above the limit: its own file
+    numel = disk_format.PACK_LIMIT // 4 + 16  # just above the limit: its own file
     store.put("big", item_for("big", numel))
     store.put("small", item_for("small"))
     assert os.path.exists(store.path("big")) and not os.path.exists(store.path("small"))
     assert not store.location("big").packed and store.location("small").packed
-    check(disk.read_entry(store.path("big")), "big", numel)
+    check(disk_format.read_entry(store.path("big")), "big", numel)
     reader = DiskStore(tmp_path)
     check(reader.get("big"), "big", numel)
     check(reader.get("small"), "small")
@@ -105,7 +107,7 @@ def test_overhead_of_2000_16k_entries_is_at_most_10_percent(tmp_path, compressio
 
 
 def test_packs_rotate_and_fsync_works(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk, "PACK_MAX_BYTES", 100 << 10)
+    monkeypatch.setattr(disk_writer, "PACK_MAX_BYTES", 100 << 10)
     store = DiskStore(tmp_path, async_writes=False, compression=None, fsync=True)
     for i in range(30):
         store.put(f"k{i}", item_for(f"k{i}"))
@@ -192,16 +194,17 @@ def test_torn_index_tail_is_ignored(tmp_path):
     store = DiskStore(tmp_path, async_writes=False, compression=None)
     for i in range(10):
         store.put(f"k{i}", item_for(f"k{i}"))
-    index = next(str(tmp_path / n) for n in os.listdir(tmp_path) if n.endswith(disk.INDEX_SUFFIX))
-    pack = index[: -len(disk.INDEX_SUFFIX)] + PACK_SUFFIX
+    index = next(str(tmp_path / n) for n in os.listdir(tmp_path) if n.endswith(disk_format.INDEX_SUFFIX))
+    pack = index[: -len(disk_format.INDEX_SUFFIX)] + PACK_SUFFIX
     size = os.path.getsize(pack)
     # what a writer killed mid-append leaves: half a record at the pack's end, and a torn index record for it
     with open(pack, "ab") as f:
         f.write(b"\x01" * 5000)
     with open(index, "ab") as f:
         now = time.time_ns()
-        f.write(disk._index_record(disk.key_tag("k10"), size, 5000 + 64, now)[:-4] + b"\0\0\0\0")  # CRC wrong
-        f.write(disk._index_record(disk.key_tag("k11"), size, 64, now)[:17])  # and an incomplete one
+        record = disk_format.index_record(disk_format.key_tag("k10"), size, 5000 + 64, now)
+        f.write(record[:-4] + b"\0\0\0\0")  # CRC wrong
+        f.write(disk_format.index_record(disk_format.key_tag("k11"), size, 64, now)[:17])  # and an incomplete one
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         reader = DiskStore(tmp_path)
@@ -244,7 +247,7 @@ def _read_while_written(directory: str, keys: list[str], stop, result) -> None:
 
     while not stop.is_set():  # while the writers append
         read(rng.choice(keys))
-    deadline = time.monotonic() + 10  # new packs are found within disk.RELIST_SECONDS
+    deadline = time.monotonic() + 10  # new packs are found within disk_format.RELIST_SECONDS
     for key in keys:
         while not read(key) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -287,13 +290,13 @@ def _tail_state(directory: str) -> tuple[int, int]:
     """(packs with bytes after their last indexed record, indexes with a partial last record)."""
     loose = torn = 0
     for name in os.listdir(directory):
-        if not name.endswith(disk.INDEX_SUFFIX):
+        if not name.endswith(disk_format.INDEX_SUFFIX):
             continue
         index = os.path.join(directory, name)
-        records, _, _ = disk.read_index(index)
+        records, _, _ = disk_format.read_index(index)
         end = max((o + n for _, o, n, _, _ in records), default=0)
-        loose += os.path.getsize(index[: -len(disk.INDEX_SUFFIX)] + PACK_SUFFIX) > end
-        torn += (os.path.getsize(index) - disk.INDEX_HEADER_SIZE) % INDEX_RECORD_SIZE != 0
+        loose += os.path.getsize(index[: -len(disk_format.INDEX_SUFFIX)] + PACK_SUFFIX) > end
+        torn += (os.path.getsize(index) - disk_format.INDEX_HEADER_SIZE) % INDEX_RECORD_SIZE != 0
     return loose, torn
 
 
@@ -303,11 +306,11 @@ def test_sigkill_during_packed_appends_never_serves_wrong_data(tmp_path):
     trials = mid_append = 0
     start = 0
     while trials < 20 or (mid_append == 0 and trials < 60):
-        before = sum(n.endswith(disk.INDEX_SUFFIX) for n in os.listdir(tmp_path))
+        before = sum(n.endswith(disk_format.INDEX_SUFFIX) for n in os.listdir(tmp_path))
         p = FORK.Process(target=_append_forever, args=(str(tmp_path), start, numel))
         p.start()
         deadline = time.monotonic() + 30
-        while sum(n.endswith(disk.INDEX_SUFFIX) for n in os.listdir(tmp_path)) == before:
+        while sum(n.endswith(disk_format.INDEX_SUFFIX) for n in os.listdir(tmp_path)) == before:
             assert time.monotonic() < deadline
             time.sleep(0.002)  # wait until this writer has its pack
         time.sleep(rng.uniform(0.0, 0.15))
@@ -376,7 +379,7 @@ def test_pack_format_matches_the_documented_spec(tmp_path):
     store = DiskStore(tmp_path, async_writes=False)
     for i in range(4):
         store.put(f"k{i}", item_for(f"k{i}"))
-    (index,) = (n for n in os.listdir(tmp_path) if n.endswith(disk.INDEX_SUFFIX))
+    (index,) = (n for n in os.listdir(tmp_path) if n.endswith(disk_format.INDEX_SUFFIX))
     records = namespace["read_index"](str(tmp_path / index))
     assert len(records) == 4
     pack = (tmp_path / index).with_suffix(PACK_SUFFIX).read_bytes()
@@ -390,3 +393,15 @@ def test_pack_format_matches_the_documented_spec(tmp_path):
     assert tag == hashlib.sha256(b"k2").digest()[:16] and stored_len == length - 64 and crc == zlib.crc32(raw[64:])
     blob = zstandard.ZstdDecompressor().decompress(raw[64:], max_output_size=blob_len)
     assert len(blob) == blob_len and blob[:8] == b"MCACHE\x00\x01"
+
+
+def test_location_of_a_packed_entry_is_complete_enough_to_remove_it(tmp_path):
+    store = DiskStore(tmp_path, async_writes=False)
+    for key in ("k", "j"):
+        store.put(key, item_for(key))
+    where = store.location("k")
+    assert where is not None and where.packed and where.index_path is not None
+    disk_format.remove_packed(where)  # what `monai-cache verify --remove` does to a bad record
+    fresh = DiskStore(tmp_path, writable=False)
+    assert fresh.get("k") is MISSING
+    check(fresh.get("j"), "j")

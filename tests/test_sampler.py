@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from collections import Counter
 
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from monai_cache.sampler import ShardedDistributedSampler
+from monai_cache.runtime import node_identity as _node_identity
+from monai_cache.sampler import ShardedDistributedSampler, _local_world_size_from_identities
 
 FAST = settings(max_examples=100, deadline=None)
 
@@ -296,6 +298,31 @@ def test_node_mode_reads_local_world_size_from_env(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="local_world_size"):
         ShardedDistributedSampler(range(20), 4, 3, shard_by="node")
+
+
+def test_node_mode_without_local_world_size_names_every_way_to_give_it(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError) as info:  # the reproduction: no launcher variable, no process group
+        ShardedDistributedSampler(range(8), num_replicas=2, rank=0, shard_by="node")
+    message = str(info.value)
+    assert "local_world_size=" in message and "init_process_group" in message and "torchrun" in message
+
+
+def test_layout_from_machine_identities():
+    assert _local_world_size_from_identities(["a"] * 3) == 3  # one machine
+    assert _local_world_size_from_identities(["a", "a", "b", "b", "c", "c"]) == 2
+    assert _local_world_size_from_identities(["a", "b", "c"]) == 1  # one rank per machine
+    with pytest.raises(ValueError, match=r"same number of ranks on every machine, but found a: ranks \[0, 1\]; b: "):
+        _local_world_size_from_identities(["a", "a", "b"])
+    with pytest.raises(ValueError, match=r"numbered contiguously \(node = rank // 2\), but found b: ranks \[0, 3\]; "):
+        _local_world_size_from_identities(["b", "a", "a", "b"])
+
+
+def test_machine_identity_is_the_host_unless_overridden(monkeypatch):
+    monkeypatch.delenv("MONAI_CACHE_NODE_ID", raising=False)
+    assert _node_identity().startswith(socket.gethostname())
+    monkeypatch.setenv("MONAI_CACHE_NODE_ID", "rack3-node7")
+    assert _node_identity() == "rack3-node7"
 
 
 def test_node_mode_checks_torchrun_layout(monkeypatch, recwarn):

@@ -2,6 +2,8 @@
 
 Each rank keeps a private per-rank cache of what one rank can afford (``ceil(n / world)`` items). With the sharded
 sampler every read from the second epoch on is a hit; with torch's ``DistributedSampler`` about ``1 / world`` are.
+Ranks started without ``LOCAL_WORLD_SIZE`` (as Lightning, srun and mpirun start them) check that ``shard_by="node"``
+finds the ranks of each machine through the process group, and rejects ranks not numbered by machine.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from monai_cache.sampler import ShardedDistributedSampler
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_sampler_scripts" / "gloo_worker.py"
+LAYOUT_WORKER = REPO / "tests" / "_sampler_scripts" / "node_layout_worker.py"
 WORLD = 2
 TIMEOUT_S = 120
+# variables of a launcher (and the machine identity): a test's launcher sets the ones it wants, the rest stay unset
+_LAUNCHER_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MONAI_CACHE_NODE_ID"
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +39,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, list[dict]]:
-    """Launch both ranks once; return {sampler name: [rank 0 result, rank 1 result]}."""
-    out = tmp_path_factory.mktemp("gloo")
+def _launch(world: int, script: Path, out: Path, env_of_rank) -> list[dict]:
+    """Start ``world`` ranks of ``script OUT`` as independent processes; return each rank's ``rank{r}.json``.
+
+    ``env_of_rank(rank)`` gives the launcher's variables of that rank, added to a copy of this environment
+    without the torchrun variables (so a launcher that does not set one really leaves it unset).
+    """
     port = _free_port()
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = {
-            **os.environ,
-            # what torchrun --nnodes=1 --nproc-per-node=2 sets
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "GROUP_RANK": "0",
+            **base,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            **env_of_rank(rank),
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)],
+                [sys.executable, str(script), str(out)],
                 env=env,
                 cwd=REPO,
                 stdout=subprocess.PIPE,
@@ -70,7 +77,18 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
         pytest.fail(f"gloo ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log[-4000:]}"
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Launch both ranks once; return {sampler name: [rank 0 result, rank 1 result]}."""
+
+    def torchrun_env(rank: int) -> dict[str, str]:  # what torchrun --nnodes=1 --nproc-per-node=2 sets
+        return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(WORLD), "GROUP_RANK": "0"}  # fmt: skip
+
+    per_rank = _launch(WORLD, WORKER, tmp_path_factory.mktemp("gloo"), torchrun_env)
     by_name: dict[str, list[dict]] = {}
     for data in per_rank:
         assert data["world"] == WORLD
@@ -128,3 +146,39 @@ def test_coverage_and_fixed_shards(results, name):
             assert len({frozenset(ep["indices"]) for ep in r["epochs"]}) == 1
     else:
         assert len({frozenset(ep["indices"]) for ep in ranks[0]["epochs"]}) == n_epochs
+
+
+# ----------------------------------------------------------------------------- launchers without LOCAL_WORLD_SIZE
+
+
+def _lightning_like_env(rank: int) -> dict[str, str]:
+    """What Lightning's launcher (and, by their own names, srun or mpirun) gives a rank: no LOCAL_WORLD_SIZE."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+
+
+def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(tmp_path):
+    ranks = _launch(WORLD, LAYOUT_WORKER, tmp_path, _lightning_like_env)
+    # both ranks run on this machine: one node of two ranks, as if local_world_size=2 had been passed
+    assert [r["layout"] for r in ranks] == [[2, 0, 0], [2, 0, 1]]
+    for r in ranks:
+        expected = ShardedDistributedSampler(range(23), WORLD, r["rank"], seed=1, shard_by="node", local_world_size=2)
+        assert r["epochs"] == [expected.indices_for_epoch(e) for e in range(3)]
+    # the second sampler, built by one rank alone, reused the layout instead of starting another all-gather
+    assert ranks[-1]["second_layout"] == 2
+    # num_replicas / rank other than the process group's: a clear error, and no collective was started
+    assert "differ from the process group's (world size 2, rank 0)" in ranks[0]["mismatch_error"]
+    assert "local_world_size=" in ranks[0]["mismatch_error"]
+
+
+def test_node_mode_rejects_ranks_not_numbered_by_machine(tmp_path):
+    # 4 ranks on two simulated machines, dealt round-robin (srun --distribution=cyclic, mpirun --map-by node)
+    def env(rank: int) -> dict[str, str]:
+        machine = "ab"[rank % 2]
+        return {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank // 2), "MONAI_CACHE_NODE_ID": machine}
+
+    ranks = _launch(4, LAYOUT_WORKER, tmp_path, env)
+    for r in ranks:
+        assert "layout" not in r, r
+        assert "numbered contiguously" in r["error"]
+        assert "a: ranks [0, 2]; b: ranks [1, 3]" in r["error"]
+        assert "shard_by='rank'" in r["error"]

@@ -1,5 +1,8 @@
 """A simulated two-node run: 4 gloo ranks, 2 per "node", each node with its own shared-memory directory.
 
+The ranks are started without LOCAL_WORLD_SIZE, as Lightning or srun start them; each "node" has its own
+machine identity (``MONAI_CACHE_NODE_ID``), so the sampler finds the two nodes by gathering identities.
+
 With ShardedDistributedSampler(shard_by="node") each node's cache ends up holding only its node's shard,
 and from the second epoch on every read is a hit.
 """
@@ -26,8 +29,11 @@ def test_two_nodes_each_cache_holds_its_shard_and_hits_from_epoch_two(tmp_path):
     try:
         for rank in range(nodes * per_node):
             node = rank // per_node
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(rank % per_node),
-                       LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
+            # a launcher that does not set LOCAL_WORLD_SIZE (Lightning, srun): the sampler finds each node's
+            # ranks by gathering their machine identities, here simulated machines named by MONAI_CACHE_NODE_ID
+            env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
+            env.update(RANK=str(rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(rank % per_node),
+                       NODE_RANK=str(node), MONAI_CACHE_NODE_ID=f"node{node}", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), MONAI_CACHE_SHM_DIR=node_dirs[node], OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "data.json"), str(epochs)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

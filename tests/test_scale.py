@@ -23,7 +23,7 @@ import torch
 from monai.transforms import Transform
 from torch.utils.data import DataLoader
 
-from monai_cache import disk
+from monai_cache import disk_format, disk_writer
 from monai_cache.dataset import CacheDataset
 from monai_cache.disk import MISSING, DiskStore
 from monai_cache.shm import SharedMemoryStore, list_caches
@@ -125,8 +125,8 @@ def test_fds_and_maps_bounded_in_main_process(filled):
     ds = filled["ds"]
     store = ds._cache
     assert isinstance(store, SharedMemoryStore)
-    assert store.stats()["machine"]["entries"] == N
-    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES  # the images themselves are cached
+    assert store.stats()["stored"]["entries"] == N
+    assert store.stats()["stored"]["bytes"] >= N * ITEM_BYTES  # the images themselves are cached
     for i in range(N):  # read every item, dropping it (as a training loop does)
         x = ds[i]["image"]
         assert x.shape == (1, 64, 64)
@@ -182,7 +182,7 @@ def test_items_held_alive_hold_no_descriptor(filled):
 def test_shm_overhead_per_16k_entry(filled):
     store = filled["ds"]._cache
     used = blocks_bytes(store.path)
-    assert store.stats()["machine"]["bytes"] >= N * ITEM_BYTES
+    assert store.stats()["stored"]["bytes"] >= N * ITEM_BYTES
     overhead = used / (N * ITEM_BYTES) - 1
     print(f"\nshm: {used} bytes for {N} x {ITEM_BYTES}: overhead {overhead:.2%}")
     assert overhead <= MAX_OVERHEAD
@@ -291,7 +291,8 @@ def test_disk_lookup_cost_independent_of_file_count(disk_dirs):
 def test_disk_overhead_per_16k_entry(disk_dirs, name):
     """Small entries are packed (docs/disk-format.md): headers, index records and the packs' last blocks."""
     path, n, _ = disk_dirs[name]
-    assert sum(x.endswith(disk.PACK_SUFFIX) for x in os.listdir(path)) <= 1 + n * ITEM_BYTES // disk.PACK_MAX_BYTES
+    packs = sum(x.endswith(disk_format.PACK_SUFFIX) for x in os.listdir(path))
+    assert packs <= 1 + n * ITEM_BYTES // disk_writer.PACK_MAX_BYTES
     used = blocks_bytes(path)
     overhead = used / (n * ITEM_BYTES) - 1
     print(f"\ndisk ({name}): {used} bytes for {n} x {ITEM_BYTES}: overhead {overhead:.2%}")
@@ -322,7 +323,7 @@ def test_large_item_peak_memory(mode, shm_dir, tmp_path):
 
 
 def test_large_zstd_entry_damaged_is_rejected(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk, "STREAM_READ_BYTES", 1 << 16)  # take the streaming path with a small entry
+    monkeypatch.setattr(disk_format, "STREAM_READ_BYTES", 1 << 16)  # take the streaming path with a small entry
     store = DiskStore(tmp_path, async_writes=False, downcast=False)
     x = torch.rand(1 << 18)
     assert store.write("big", {"image": x})
@@ -355,7 +356,7 @@ def test_budget_smaller_than_one_item_skips_it_with_one_warning(shm_dir):
         assert len(full) == 1, [str(w.message) for w in caught]
         for i, item in enumerate(items):
             assert torch.equal(item["image"], Big()({"i": i})["image"])
-        stats = ds.cache_stats()["machine"]
-        assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["skipped"] >= 3
+        stats = ds.cache_stats()
+        assert stats["stored"] == {"entries": 0, "bytes": 0} and stats["total"]["skipped"] >= 3
     finally:
         ds.release()

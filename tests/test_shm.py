@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from monai_cache import runtime, shm_directory
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
 
 PY = sys.executable
@@ -180,7 +181,7 @@ def test_same_key_after_crash_starts_afresh(shm_dir):
     p.wait(30)
     store = SharedMemoryStore("again", 2)
     assert store[0] is None  # leftovers of a crashed run are not trusted by default
-    assert store.stats()["machine"]["entries"] == 0
+    assert store.stats()["stored"]["entries"] == 0
     store.release()
 
 
@@ -225,7 +226,7 @@ def test_dead_holder_never_blocks(shm_dir):
     """)
     assert holder.stdout.readline().strip() == "computing"
     store = SharedMemoryStore("blocked", 1)
-    assert store.get_or_compute(0, lambda: {"x": 1}, wait=False) is None  # someone is on it
+    assert store.fill(0, lambda: {"x": 1}) is False  # someone is on it
     holder.kill()
     holder.wait(30)
     t0 = time.monotonic()
@@ -254,7 +255,7 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
         p.kill()
         p.wait(30)
         path = os.path.join(cache_root(), "killed")
-        killed_mid_write += any(n.startswith(".tmp.") for n in os.listdir(path))
+        killed_mid_write += any(n.endswith(".tmp") for n in os.listdir(path))
         # every entry a reader accepts is complete and right
         store = SharedMemoryStore("killed", 64, keep_warm=True)
         for i in range(64):
@@ -306,7 +307,7 @@ def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir, size, damag
     assert not store.contains(0) and store.contains(1)
     got = store.get_or_compute(0, lambda: value)
     assert got["name"] == "case0" and torch.equal(got["x"], value["x"]) and store.contains(0)
-    assert store.stats()["machine"]["corrupt"] == 1
+    assert store.stats()["total"]["corrupt"] == 1
     assert store[1]["name"] == "case1"
     store.release()
 
@@ -326,7 +327,7 @@ def test_small_entries_are_packed_without_per_entry_files(shm_dir):
 def test_budget_full_degrades_with_one_warning(shm_dir):
     one = SharedMemoryStore("measure", 1)
     one[0] = item(0)
-    size = one.stats()["machine"]["bytes"]
+    size = one.stats()["stored"]["bytes"]
     one.release()
     store = SharedMemoryStore("budget", 10, budget=int(size * 3.5))
     with warnings.catch_warnings(record=True) as caught:
@@ -337,9 +338,9 @@ def test_budget_full_degrades_with_one_warning(shm_dir):
     assert len(full) == 1, [str(w.message) for w in caught]
     assert "shm_budget" in str(full[0].message) and "--shm-size" in str(full[0].message)
     assert [o["index"] for o in out] == list(range(10)) == [o["index"] for o in again]
-    machine = store.stats()["machine"]
-    assert machine["entries"] == 3 and machine["skipped"] >= 7
-    assert not any(n.startswith(".tmp.") for n in os.listdir(store.path))
+    stats = store.stats()
+    assert stats["stored"]["entries"] == 3 and stats["total"]["skipped"] >= 7
+    assert not any(n.endswith(".tmp") for n in os.listdir(store.path))
     store.release()
 
 
@@ -351,9 +352,9 @@ def test_small_tmpfs_running_out(tiny_tmpfs):
     assert [float(o["x"][0]) for o in out] == [float(i) for i in range(20)]
     full = [w for w in caught if "full" in str(w.message)]
     assert len(full) == 1
-    entries = store.stats()["machine"]["entries"]
+    entries = store.stats()["stored"]["entries"]
     assert 3 <= entries < 20  # 4 MiB hold some 400 KB entries, not all
-    assert not any(n.startswith(".tmp.") for n in os.listdir(store.path))
+    assert not any(n.endswith(".tmp") for n in os.listdir(store.path))
     for i in range(20):
         got = store[i]
         assert got is None or float(got["x"][-1]) == float(i)
@@ -387,8 +388,7 @@ def test_hits_are_counted_machine_wide_without_a_lock_per_read(shm_dir):
     processes, one killed, and one that finds every slot taken all add up to the machine-wide count."""
     import threading
 
-    from monai_cache import shm
-    from monai_cache.utils import ofd_lock
+    from monai_cache.runtime import ofd_lock
 
     n = 8
     store = SharedMemoryStore("hits", n)
@@ -435,21 +435,22 @@ def test_hits_are_counted_machine_wide_without_a_lock_per_read(shm_dir):
     for _ in range(2):  # these reuse freed slots
         subprocess.run([PY, "-c", textwrap.dedent(reader), "3", "exit"], check=True, timeout=60)
         expected += 3 * n
-    assert store.stats()["machine"]["hits"] == expected
+    assert store.stats()["total"]["hits"] == expected
 
     # Every slot held by someone alive (as by hundreds of workers): a newcomer counts under the shared lock.
     stats_path = os.path.join(store.path, "stats")
     holder = os.open(stats_path, os.O_RDWR)
     try:
-        for off in range(shm._HIT_SLOTS_AT, shm._STATS_SIZE, 8):
+        for off in range(runtime.SLOTS_AT, runtime.COUNTERS_SIZE, 16):
             ofd_lock(holder, off, blocking=False)
         subprocess.run([PY, "-c", textwrap.dedent(reader), "4", "exit"], check=True, timeout=60)
         expected += 4 * n
         raw = open(stats_path, "rb").read()
-        assert shm._U64.unpack_from(raw, shm._STAT_OFFSET["hits"])[0] == 4 * n  # the newcomer's hits, all shared
+        shared = runtime.unpack_counters(raw, shm_directory.FIELDS, slots=False)
+        assert shared["hits"] == 4 * n  # the newcomer's hits, all in the shared field
     finally:
         os.close(holder)
-    assert store.stats()["machine"]["hits"] == expected
+    assert store.stats()["total"]["hits"] == expected
     assert list_caches()[0]["hits"] == expected  # `monai-cache ls` reads the file, slots included
     store.release()
 
@@ -490,3 +491,19 @@ def test_dataset_garbage_collected_while_a_cache_is_joined_does_not_deadlock(shm
     r = subprocess.run([sys.executable, "-c", GC_INSIDE_THE_LOCKS], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"  # every cache released, the collected ones included
+
+
+def test_remove_one_entry_frees_it_for_every_process(shm_dir):
+    store = SharedMemoryStore("remove", 3)
+    for i in range(3):
+        store[i] = {"x": torch.full((300_000,), float(i))} if i == 0 else {"x": torch.arange(4) + i}
+    held = store.stats()["stored"]
+    assert store.remove(0) and store.remove(1) and not store.remove(1)  # the second time: nothing to remove
+    assert not store.contains(0) and not store.contains(1) and store.contains(2)
+    after = store.stats()["stored"]
+    assert after["entries"] == held["entries"] - 2 == 1
+    assert after["bytes"] < held["bytes"] - 1_000_000  # the large entry's file is gone at once
+    other = SharedMemoryStore("remove", 3)  # another handle (as another process would have) sees the misses
+    assert other[0] is None and other[1] is None and float(other[2]["x"][0]) == 2.0
+    other.release()
+    store.release()

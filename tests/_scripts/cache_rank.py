@@ -37,7 +37,8 @@ def main() -> None:
             dist.all_reduce(total)  # ranks in lockstep, as in training
     dist.barrier()
     stats = ds.cache_stats()
-    print(json.dumps({"rank": rank, "seen": seen, "machine": stats["machine"], "path": ds._cache.path}), flush=True)
+    result = {"rank": rank, "seen": seen, "total": stats["total"], "stored": stats["stored"], "path": ds._cache.path}
+    print(json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """One rank of a simulated two-node job: each "node" has its own shared-memory directory.
 
-Env: torchrun's variables plus MONAI_CACHE_SHM_DIR (the node's /dev/shm). argv: data.json epochs
+Env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, MONAI_CACHE_SHM_DIR (the node's /dev/shm) and
+MONAI_CACHE_NODE_ID (the node's identity). argv: data.json epochs
 Prints one JSON line: the indices this rank read per epoch and the node cache's counters after each epoch.
 """
 
@@ -36,7 +37,7 @@ def main() -> None:
             dist.all_reduce(torch.zeros(1))  # lockstep
         dist.barrier()  # every rank of the node finished the epoch before we read the node's counters
         per_epoch.append(seen)
-        stats.append(ds.cache_stats()["machine"])
+        stats.append(ds.cache_stats()["total"])
         dist.barrier()
     print(json.dumps({"rank": dist.get_rank(), "seen": per_epoch, "stats": stats,
                       "entries": [i for i in range(len(ds)) if ds._cache.contains(i)]}), flush=True)

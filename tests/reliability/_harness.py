@@ -41,6 +41,98 @@ def record(test: str, **figures: Any) -> None:
     print("FIGURES", json.dumps(line, default=str))
 
 
+class Tally:
+    """The figures of one test, counted while it runs, recorded, and only then asserted on.
+
+    A figure is never written in: ``counters`` start at 0 and grow by :meth:`add` when their outcome is seen
+    (a crash, a hang, a wrong read, a leftover file...); :meth:`check` counts a check of the test and, when it
+    fails, a failure (``failures``) together with what it said; :meth:`trial` turns an exception escaping its body
+    into a counted crash (and failed check) instead of ending the test. The test then calls :meth:`record` (so a
+    failing run records its figures too) and :meth:`assert_clean`, which fails it if any check failed or any
+    named figure is not 0.
+
+    Args:
+        test: the name the figures are recorded under.
+        counters: names of figures counted from 0.
+        given: what the test was asked to run (examples, trials, items): set, not counted.
+    """
+
+    def __init__(self, test: str, *counters: str, **given: Any) -> None:
+        self.test = test
+        self.figures: dict[str, Any] = {**given, **dict.fromkeys(counters, 0), "checks": 0, "failures": 0}
+        self.problems: list[str] = []
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Count ``n`` more of the outcome ``name``."""
+        self.figures[name] = self.figures.get(name, 0) + int(n)
+
+    def check(self, ok: Any, problem: Any = "") -> bool:
+        """Count one check; if ``ok`` is false, count a failure and keep ``problem`` (what went wrong)."""
+        self.figures["checks"] += 1
+        if not ok:
+            self.figures["failures"] += 1
+            self.problems.append(str(problem)[:2000])
+        return bool(ok)
+
+    @contextlib.contextmanager
+    def trial(self, what: Any = "") -> Iterator[None]:
+        """Run the body as one trial: an exception escaping it counts as a crash (``crashes``) and a failed check.
+
+        A :class:`Hang` raised in it counts as a hang (``hangs``) and a failed check."""
+        try:
+            yield
+        except Hang as e:
+            self.add("hangs")
+            self.check(False, f"{what}: {e}")
+        except Exception as e:
+            self.add("crashes")
+            self.check(False, f"{what}: {type(e).__name__}: {e}")
+
+    def record(self, **figures: Any) -> dict:
+        """Add ``figures`` (counted by the caller) and :func:`record` them all; returns them."""
+        self.figures.update(figures)
+        record(self.test, **self.figures)
+        return self.figures
+
+    def assert_clean(self, *zero: str) -> None:
+        """Fail unless no check failed and every figure named in ``zero`` is 0."""
+        bad = {name: self.figures[name] for name in ("failures", *zero) if self.figures[name]}
+        assert not bad, f"{self.test}: {bad}; first problems: {self.problems[:5]}"
+
+
+class Hang(BaseException):
+    """Raised by :func:`deadline` when its body overruns. A ``BaseException``, so that code under test that turns
+    every ``Exception`` into an error of its own cannot hide a hang."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Interrupt the body with :class:`Hang` after ``seconds`` (SIGALRM: the main thread only). Python code is
+    interrupted at once, a long call into C when it returns."""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def join_or_kill(proc: Any, timeout: float) -> int | None:
+    """Wait for a forked process; one still running after ``timeout`` seconds is SIGKILLed and counts as hung
+    (``None``). Otherwise its exit code (negative: killed by that signal)."""
+    proc.join(timeout)
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        return None
+    return int(proc.exitcode)
+
+
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -350,3 +442,28 @@ def tree_files(path: str) -> list[str]:
     for root, _dirs, files in os.walk(path):
         out += [os.path.relpath(os.path.join(root, n), path) for n in files]
     return sorted(out)
+
+
+def temp_files(directory: str) -> list[str]:
+    """Temporary files (``runtime.temp_name``: being written, or left by a killed writer) in ``directory``."""
+    from monai_cache import runtime
+
+    return sorted(n for n in os.listdir(directory) if runtime.temp_owner(n) is not None or n.endswith(".tmp"))
+
+
+def tree_state(path: str) -> dict[str, tuple[int, int, int, int]]:
+    """``{relative path: (size, mtime_ns, mode, uid)}`` of every file and directory under ``path``: compare two
+    to count what was added, removed or changed in between."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            full = os.path.join(root, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(full)
+                out[os.path.relpath(full, path)] = (st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid)
+    return out
+
+
+def tree_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """Paths added, removed or changed between two :func:`tree_state` snapshots."""
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))

@@ -32,6 +32,7 @@ def main() -> None:
         when = rec.pop("time")
         rec.pop("test")
         figures = ", ".join(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in rec.items())
+        figures = " ".join(figures.split()).replace("|", "\\|")  # one table row: no line breaks, no bare pipes
         print(f"| {name} | {when} | {figures} |")
 
 

@@ -1,12 +1,12 @@
 """Coverage-guided fuzzing (atheris / libFuzzer) of everything that parses cache bytes: the codec
-(``codec.decode``), the disk file reader (``disk.read_blob``) and the shared-memory index slots.
+(``codec.decode``), the disk file reader (``disk_format.read_blob``) and the shared-memory index slots.
 
 Inputs are interpreted three ways (chosen by the first byte):
 
 0. raw bytes handed to ``codec.decode`` (the prefix checksums stop almost everything: the baseline);
 1. header text + data area, reassembled into a blob with *valid* lengths and checksums, so the fuzzer
    explores the JSON header and the decoder behind it (what a crafted entry can reach);
-2. a disk file: 64-byte header (checksums recomputed) + payload, read with ``disk.read_blob`` from a memfd.
+2. a disk file: 64-byte header (checksums recomputed) + payload, read with ``disk_format.read_blob`` from a memfd.
 
 Allowed outcomes: a value, or ``CorruptEntryError``. Anything else is a crash that libFuzzer reports (with
 the input saved as ``crash-*``). (Its first runs found two ways to make ``codec.decode`` raise something else,
@@ -35,7 +35,7 @@ import atheris
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 with atheris.instrument_imports(include=["monai_cache"]):
-    from monai_cache import codec, disk
+    from monai_cache import codec, disk_format
 
 from _fuzzing import assemble, sample_items, split
 
@@ -50,10 +50,10 @@ def _check(fn, *args, **kwargs) -> None:
 
 
 def _disk(data: bytes) -> None:
-    if len(data) < disk.HEADER_SIZE:
+    if len(data) < disk_format.HEADER_SIZE:
         return
-    head = bytearray(data[: disk.HEADER_SIZE])
-    payload = data[disk.HEADER_SIZE :]
+    head = bytearray(data[: disk_format.HEADER_SIZE])
+    payload = data[disk_format.HEADER_SIZE :]
     struct.pack_into("<Q", head, 24, len(payload))  # stored length: what the file holds
     struct.pack_into("<I", head, 32, zlib.crc32(payload))
     if struct.unpack_from("<Q", head, 16)[0] > MAX_CLAIM:
@@ -62,7 +62,7 @@ def _disk(data: bytes) -> None:
     fd = os.memfd_create("entry")
     try:
         os.write(fd, bytes(head) + payload)
-        blob, _ = disk.read_blob(fd)
+        blob, _ = disk_format.read_blob(fd)
         codec.decode(blob)
     finally:
         os.close(fd)
@@ -93,7 +93,7 @@ def make_corpus(directory: str) -> None:
             blob = bytes(codec.encode(item, downcast=downcast).to_bytes())
             header, area = split(blob)
             payload = zstandard.ZstdCompressor().compress(blob)
-            head = disk._pack_header(disk.FLAG_ZSTD, len(blob), len(payload), zlib.crc32(payload), "k")
+            head = disk_format.pack_header(disk_format.FLAG_ZSTD, len(blob), len(payload), zlib.crc32(payload), "k")
             for seed in (b"\0" + blob, b"\1" + header + b"\0\0\0\0" + area, b"\2" + head + payload):
                 with open(os.path.join(directory, f"seed{n}"), "wb") as f:
                     f.write(seed)

@@ -14,18 +14,27 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import time
 import warnings
 
 import torch
 
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import read_entry, read_packed
+from monai_cache.disk_format import read_entry, read_packed
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import cache_root
 
-from ._harness import MakeItem, data_list, env_int, item_problem, record, tree_bytes, tree_files
+from ._harness import (
+    MakeItem,
+    Tally,
+    data_list,
+    env_int,
+    item_problem,
+    join_or_kill,
+    temp_files,
+    tree_bytes,
+    tree_files,
+)
 
 FORK = multiprocessing.get_context("fork")
 PROCESSES = env_int("MONAI_CACHE_RELIABILITY_PROCESSES", 8)
@@ -38,12 +47,13 @@ def _participant(k: int, build, wipe, go, out: str) -> None:
     warnings.simplefilter("ignore")
     ds = build()
     rng = random.Random(1000 + k)
-    reads = wrong = 0
+    reads = wrong = wipes = 0
     problems = []
     go.wait(60)
     for epoch in range(EPOCHS):
         if epoch % PROCESSES == k:
             wipe(ds)
+            wipes += 1
         order = list(range(N_ITEMS))
         rng.shuffle(order)
         for i in order:
@@ -59,10 +69,12 @@ def _participant(k: int, build, wipe, go, out: str) -> None:
         ds.flush()
         stats = ds.cache_stats()["process"]
     with open(out, "w") as f:
-        json.dump({"reads": reads, "wrong": wrong, "problems": problems[:5], "stats": stats}, f)
+        json.dump({"reads": reads, "wrong": wrong, "wipes": wipes, "problems": problems[:5], "stats": stats}, f)
 
 
-def run_participants(build, wipe, tmp_path) -> list[dict]:
+def run_participants(t: Tally, build, wipe, tmp_path) -> list[dict]:
+    """Run the processes; count those that hung (``hung``, killed after 240 s) or failed (``crashed``: an exit code
+    other than 0) and add up what the others counted (``reads_checked``, ``wrong``, ``wipes``)."""
     go = FORK.Event()
     outs = [str(tmp_path / f"p{k}.json") for k in range(PROCESSES)]
     procs = [FORK.Process(target=_participant, args=(k, build, wipe, go, outs[k])) for k in range(PROCESSES)]
@@ -71,19 +83,21 @@ def run_participants(build, wipe, tmp_path) -> list[dict]:
     time.sleep(0.2)
     go.set()
     deadline = time.monotonic() + 240
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join()
-    assert not hung, f"processes {hung} did not finish (blocked?)"
-    assert [p.exitcode for p in procs] == [0] * PROCESSES
+    codes = [join_or_kill(p, max(1.0, deadline - time.monotonic())) for p in procs]
+    hung = [p.pid for p, code in zip(procs, codes) if code is None]
+    t.add("hung", len(hung))
+    t.check(not hung, f"processes {hung} did not finish (blocked?)")
+    t.add("crashed", sum(code not in (0, None) for code in codes))
+    t.check(codes == [0] * PROCESSES, f"exit codes {codes}")
     results = []
     for out in outs:
-        with open(out) as f:
-            results.append(json.load(f))
+        if os.path.exists(out):
+            with open(out) as f:
+                results.append(json.load(f))
+    t.add("reads_checked", sum(r["reads"] for r in results))
+    t.add("wrong", sum(r["wrong"] for r in results))
+    t.add("wipes", sum(r["wipes"] for r in results))
+    t.check(t.figures["wrong"] == 0, [r["problems"] for r in results if r["problems"]])
     return results
 
 
@@ -95,29 +109,29 @@ def test_many_processes_share_one_shared_memory_cache(shm_dir, tmp_path):
     def wipe(ds):
         ds._cache.clear()
 
+    t = Tally("concurrency/shm", "hung", "crashed", "reads_checked", "wrong", "wipes", "wrong_after",
+              processes=PROCESSES, epochs=EPOCHS, items=N_ITEMS)
     watcher = build()  # holds the cache open, to inspect it afterwards
     t0 = time.monotonic()
-    results = run_participants(build, wipe, tmp_path)
+    results = run_participants(t, build, wipe, tmp_path)
     seconds = time.monotonic() - t0
-    reads = sum(r["reads"] for r in results)
-    wrong = sum(r["wrong"] for r in results)
-    assert wrong == 0, [r["problems"] for r in results if r["problems"]]
-    machine = watcher.cache_stats()["machine"]
-    assert machine["corrupt"] == 0
+    machine = watcher.cache_stats()["total"]
+    t.check(machine["corrupt"] == 0, f"{machine['corrupt']} corrupt entries")
     hits = sum(r["stats"]["hits"] for r in results)
     misses = sum(r["stats"]["misses"] for r in results)
     # every wipe forces recomputation, but an entry is computed once per wipe at most (not once per process)
-    wipes = min(EPOCHS, PROCESSES)
-    assert misses <= N_ITEMS * (wipes + 1), misses
+    t.check(misses <= N_ITEMS * (t.figures["wipes"] + 1), f"{misses} computations for {t.figures['wipes']} wipes")
     for i in range(N_ITEMS):
         got = watcher._cache[i]
-        assert got is None or item_problem(got, i) is None
+        t.add("wrong_after", got is not None and item_problem(got, i) is not None)
+    t.check(t.figures["wrong_after"] == 0, "wrong entries in the cache after the run")
     watcher.release()
     leftovers = tree_files(cache_root(shm_dir, create=False))
-    assert leftovers == [".lock"] and tree_bytes(shm_dir) == 0, leftovers
-    record("concurrency/shm", processes=PROCESSES, epochs=EPOCHS, items=N_ITEMS, reads_checked=reads, wrong=wrong,
-           hits=hits, misses=misses, wipes=wipes, corrupt=machine["corrupt"], bytes_leaked=0,
-           seconds=round(seconds, 1), failures=0)
+    leaked = tree_bytes(shm_dir)
+    t.check(leftovers == [".lock"] and leaked == 0, leftovers)
+    t.record(hits=hits, misses=misses, corrupt=machine["corrupt"], files_left=len(leftovers) - (".lock" in leftovers),
+             bytes_leaked=leaked, seconds=round(seconds, 1))
+    t.assert_clean("hung", "crashed", "wrong", "wrong_after", "corrupt", "files_left", "bytes_leaked")
 
 
 def test_many_processes_share_one_disk_cache(tmp_path):
@@ -131,25 +145,26 @@ def test_many_processes_share_one_disk_cache(tmp_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ds.entry_path(i))
 
+    t = Tally("concurrency/disk", "hung", "crashed", "reads_checked", "wrong", "wipes", "entries_after",
+              "wrong_after", processes=PROCESSES, epochs=EPOCHS, items=N_ITEMS)
     ref = build()
     t0 = time.monotonic()
-    results = run_participants(build, wipe, tmp_path)
+    results = run_participants(t, build, wipe, tmp_path)
     seconds = time.monotonic() - t0
-    reads = sum(r["reads"] for r in results)
-    wrong = sum(r["wrong"] for r in results)
-    assert wrong == 0, [r["problems"] for r in results if r["problems"]]
     corrupt = sum(r["stats"]["corrupt"] for r in results)
-    assert corrupt == 0
-    names = os.listdir(cache_dir)
-    assert not [n for n in names if n.endswith(".tmp")], names
-    files = 0
+    t.check(corrupt == 0, f"{corrupt} corrupt entries")
+    temp = temp_files(cache_dir)
+    t.check(not temp, temp)
     for i in range(N_ITEMS):
         where = ref.entry_location(i)
         if where is not None:
-            files += 1
-            got = read_packed(where) if where.packed else read_entry(where.path)
-            assert item_problem(got, i) is None
-    assert files == N_ITEMS  # the last epoch wrote everything back and every process flushed at the end
-    record("concurrency/disk", processes=PROCESSES, epochs=EPOCHS, items=N_ITEMS, reads_checked=reads, wrong=wrong,
-           hits=sum(r["stats"]["hits"] for r in results), writes=sum(r["stats"]["writes"] for r in results),
-           corrupt=corrupt, temp_files_left=0, seconds=round(seconds, 1), failures=0)
+            t.add("entries_after")
+            with t.trial(f"entry {i}"):
+                got = read_packed(where) if where.packed else read_entry(where.path)
+                t.add("wrong_after", item_problem(got, i) is not None)
+    t.check(t.figures["wrong_after"] == 0, "wrong entries in the cache after the run")
+    # the last epoch wrote everything back and every process flushed at the end
+    t.check(t.figures["entries_after"] == N_ITEMS, f"{t.figures['entries_after']} of {N_ITEMS} entries stored")
+    t.record(hits=sum(r["stats"]["hits"] for r in results), writes=sum(r["stats"]["writes"] for r in results),
+             corrupt=corrupt, temp_files_left=len(temp), seconds=round(seconds, 1))
+    t.assert_clean("hung", "crashed", "wrong", "wrong_after", "corrupt", "temp_files_left")

@@ -8,29 +8,33 @@ allowed); the trainers are forked processes with two real DataLoader workers eac
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
 import signal
 import warnings
 
-import pytest
 import torch
 
 from monai_cache import codec
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import DiskStore, read_entry, read_packed, sweep_temp_files
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import read_entry, read_packed
 from monai_cache.persistent import PersistentDataset
+from monai_cache.runtime import sweep_temp_files, temp_owner
 from monai_cache.shm import SharedMemoryStore, cache_root
 
 from ._harness import (
     MakeItem,
+    Tally,
     batch_problem,
     data_list,
     fill,
     item_problem,
-    record,
+    join_or_kill,
     remount,
+    temp_files,
     tmpfs,
     tree_bytes,
     tree_files,
@@ -43,8 +47,8 @@ _STANDALONE = 0xFFFFFFFF
 def _train(build, epochs: int, sizes, log: str, on_batch=None, finish=None) -> None:
     """Body of a forked trainer: DataLoader with two forked workers, every item checked.
 
-    Every warning of this process and of its workers is appended to ``log`` (one line each).
-    Exits 3 on a wrong item.
+    Every warning of this process and of its workers is appended to ``log`` (one line each); the items checked
+    and the wrong ones are counted into ``<log>.counts`` (JSON) at the end. Exits 3 if an item was wrong.
     """
     from monai.data import DataLoader
 
@@ -60,25 +64,39 @@ def _train(build, epochs: int, sizes, log: str, on_batch=None, finish=None) -> N
     warnings.showwarning = show
     ds = build()
     g = torch.Generator().manual_seed(0)
+    checked = wrong = 0
     for epoch in range(epochs):
         for k, batch in enumerate(DataLoader(ds, batch_size=1, shuffle=True, generator=g, num_workers=2)):
-            if batch_problem(batch, sizes):
-                os._exit(3)
+            checked += len(batch["i"])
+            wrong += batch_problem(batch, sizes) is not None
             if on_batch is not None:
                 on_batch(epoch, k)
+    with open(log + ".counts", "w") as f:
+        json.dump({"items_checked": checked, "wrong_items": wrong}, f)
     if finish is not None:
         finish(ds)
+    if wrong:
+        os._exit(3)
 
 
-def run_trainer(*args, timeout: float = 240.0) -> int:
-    p = FORK.Process(target=_train, args=args)
+def run_trainer(build, epochs: int, sizes, log: str, on_batch=None, finish=None, timeout: float = 240.0) -> dict:
+    """Run :func:`_train` in a forked process: its ``exit_code`` (None: it hung and was killed after ``timeout``
+    seconds) and what it counted (``items_checked``, ``wrong_items``; None if it did not get that far)."""
+    p = FORK.Process(target=_train, args=(build, epochs, sizes, log, on_batch, finish))
     p.start()
-    p.join(timeout)
-    if p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        pytest.fail(f"training did not finish within {timeout} s")
-    return p.exitcode
+    counts = {"exit_code": join_or_kill(p, timeout), "items_checked": None, "wrong_items": None}
+    if os.path.exists(log + ".counts"):
+        with open(log + ".counts") as f:
+            counts.update(json.load(f))
+    return counts
+
+
+def check_trainer(t: Tally, run: dict) -> None:
+    """Count the trainer's figures into ``t``: whether it hung, its items checked and wrong, its exit code."""
+    t.add("hung", run["exit_code"] is None)
+    t.add("items_checked", run["items_checked"] or 0)
+    t.add("wrong_items", run["wrong_items"] or 0)
+    t.check(run["exit_code"] == 0, f"trainer exit code {run['exit_code']} (3: a wrong item; None: it hung)")
 
 
 def monai_cache_warnings(log: str) -> list[str]:
@@ -93,7 +111,7 @@ def shm_layout_problems(store: SharedMemoryStore, n: int) -> tuple[int, int, lis
     no temporary file, no entry file without its slot, every published entry complete and right."""
     problems, pages, entries = [], {}, 0
     names = os.listdir(store.path)
-    problems += [f"temporary file left: {x}" for x in names if x.startswith(".tmp.")]
+    problems += [f"temporary file left: {x}" for x in names if temp_owner(x) is not None]
     for i in range(n):
         slot = store._dir.read_slot(i)
         if slot is None:
@@ -131,31 +149,28 @@ def test_shared_memory_runs_out_mid_epoch(tmp_path):
                 with open(filler, "w") as f:
                     f.write(fill(shm, leave=0))
 
-        code = run_trainer(build, 3, None, log, eat_shm, lambda ds: ds.release())
-        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        t = Tally("exhaustion/shm-mid-epoch", "hung", "items_checked", "wrong_items", epochs=3, items=n)
+        check_trainer(t, run_trainer(build, 3, None, log, eat_shm, lambda ds: ds.release()))
         full = monai_cache_warnings(log)
-        assert len(full) == 1 and "full" in full[0], full
-        assert "--shm-size" in full[0] and "shm_budget" in full[0]  # says what to do
+        t.check(len(full) == 1 and "full" in full[0], full)
+        t.check(full and "--shm-size" in full[0] and "shm_budget" in full[0], full)  # says what to do
         entries, unreferenced, problems = shm_layout_problems(store, n)
-        assert not problems, problems
-        machine = store.stats()["machine"]
-        assert 1 <= entries < n and machine["skipped"] >= 1 and machine["corrupt"] == 0
+        t.check(not problems, problems)
+        machine = store.stats()["total"]  # every process of the machine
+        t.check(1 <= entries < n and machine["skipped"] >= 1 and machine["corrupt"] == 0, (entries, machine))
         # partial writes that hit ENOSPC leave no allocated bytes behind (posix_fallocate fails cleanly)
-        assert unreferenced <= 4096 * sum(1 for x in os.listdir(store.path) if x.startswith("s.")), unreferenced
+        segments = sum(1 for x in os.listdir(store.path) if x.startswith("s."))
+        t.check(unreferenced <= 4096 * segments, f"{unreferenced} unreferenced bytes in {segments} segments")
         with open(filler) as f:
             os.unlink(f.read())
         reader.release()
         leftovers = tree_files(shm)
         leaked = tree_bytes(shm)
-        assert leftovers == [f"{os.path.basename(cache_root(shm))}/.lock"] and leaked == 0, leftovers
-        record("exhaustion/shm-mid-epoch", epochs=3, items=n, items_checked=3 * n, entries_cached=entries,
-               skipped=machine["skipped"], warnings=len(full), unreferenced_bytes=unreferenced, bytes_leaked=leaked,
-               failures=0)
-
-
-def _join_full(shm: str, log: str) -> None:
-    _train(lambda: CacheDataset(data_list(4, 1000), MakeItem(), runtime_cache=True, cache_key="full-at-start",
-                                progress=False, shm_dir=shm), 1, dict.fromkeys(range(4), 1000), log)
+        t.check(leftovers == [f"{os.path.basename(cache_root(shm))}/.lock"] and leaked == 0, leftovers)
+        t.record(entries_cached=entries, skipped=machine["skipped"], corrupt=machine["corrupt"], warnings=len(full),
+                 layout_problems=len(problems), unreferenced_bytes=unreferenced, files_left=len(leftovers) - 1,
+                 bytes_leaked=leaked)
+        t.assert_clean("hung", "wrong_items", "corrupt", "layout_problems", "files_left", "bytes_leaked")
 
 
 def test_shared_memory_already_full_when_a_dataset_is_built(tmp_path):
@@ -164,12 +179,20 @@ def test_shared_memory_already_full_when_a_dataset_is_built(tmp_path):
         fill(shm, leave=0)
         assert os.statvfs(shm).f_bavail == 0
         log = str(tmp_path / "warnings.log")
-        p = FORK.Process(target=_join_full, args=(shm, log))
-        p.start()
-        p.join(120)
-        assert p.exitcode != -signal.SIGBUS, "the trainer was killed by SIGBUS"
-        assert p.exitcode == 0
-        assert len(monai_cache_warnings(log)) == 1
+
+        def build():
+            return CacheDataset(data_list(4, 1000), MakeItem(), runtime_cache=True, cache_key="full-at-start",
+                                progress=False, shm_dir=shm)
+
+        t = Tally("exhaustion/shm-full-at-start", "hung", "items_checked", "wrong_items", epochs=1, items=4)
+        run = run_trainer(build, 1, dict.fromkeys(range(4), 1000), log, timeout=120)
+        sigbus = run["exit_code"] == -signal.SIGBUS
+        t.check(not sigbus, "the trainer was killed by SIGBUS")
+        check_trainer(t, run)
+        msgs = monai_cache_warnings(log)
+        t.check(len(msgs) == 1, msgs)
+        t.record(killed_by_sigbus=int(sigbus), warnings=len(msgs))
+        t.assert_clean("hung", "wrong_items", "killed_by_sigbus")
 
 
 def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_path):
@@ -181,19 +204,21 @@ def test_budget_smaller_than_an_item_serves_everything_uncached(shm_dir, tmp_pat
         return CacheDataset(data_list(n), MakeItem(), runtime_cache=True, cache_key="tiny-budget", progress=False,
                             shm_dir=shm_dir, shm_budget=1000)
 
-    code = run_trainer(build, 2, None, log, None, lambda ds: ds.release())
-    assert code == 0
+    t = Tally("exhaustion/shm-budget-below-one-item", "hung", "items_checked", "wrong_items", epochs=2, items=n)
+    check_trainer(t, run_trainer(build, 2, None, log, None, lambda ds: ds.release()))
     msgs = monai_cache_warnings(log)
-    assert len(msgs) == 1 and "budget reached" in msgs[0], msgs
-    assert tree_files(shm_dir) == [f"{os.path.basename(cache_root(shm_dir))}/.lock"]
+    t.check(len(msgs) == 1 and "budget reached" in msgs[0], msgs)
+    leftovers = tree_files(shm_dir)
+    t.check(leftovers == [f"{os.path.basename(cache_root(shm_dir))}/.lock"], leftovers)
+    t.record(warnings=len(msgs), files_left=len(leftovers) - 1)
+    t.assert_clean("hung", "wrong_items", "files_left")
 
 
 # --------------------------------------------------------------------------------------------- disk
-def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) -> tuple[int, list[str]]:
-    """(entries stored, problems): every entry file or packed record found for an item must be right."""
+def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) -> tuple[int, list[str], list[str]]:
+    """(entries stored, temporary files, problems): every entry file or packed record found for an item must be
+    right."""
     problems, files = [], 0
-    names = set(os.listdir(cache_dir))
-    problems += [f"temporary file left: {x}" for x in names if x.endswith(".tmp")]
     for i in range(n):
         where = ds.entry_location(i)
         if where is None:
@@ -206,7 +231,7 @@ def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) ->
             problem = f"{os.path.basename(where.path)}@{where.offset}: {e}"
         if problem:
             problems.append(problem)
-    return files, problems
+    return files, temp_files(cache_dir), problems
 
 
 def test_disk_fills_up_mid_epoch(tmp_path):
@@ -222,15 +247,17 @@ def test_disk_fills_up_mid_epoch(tmp_path):
             return PersistentDataset(data_list(n, size), MakeItem(), cache_dir=cache_dir, compression=None)
 
         log = str(tmp_path / "warnings.log")
-        code = run_trainer(build, 3, sizes, log, None, lambda ds: ds.flush())
-        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        t = Tally("exhaustion/disk-full-mid-epoch", "hung", "items_checked", "wrong_items", epochs=3, items=n)
+        check_trainer(t, run_trainer(build, 3, sizes, log, None, lambda ds: ds.flush()))
         msgs = monai_cache_warnings(log)
-        assert len(msgs) == 1 and "is full" in msgs[0] and "cache_dir" in msgs[0], msgs
-        files, problems = _check_disk_dir(cache_dir, build(), n, size)
-        assert not problems, problems
-        assert 1 <= files < n
-        record("exhaustion/disk-full-mid-epoch", epochs=3, items=n, items_checked=3 * n, files_written=files,
-               warnings=len(msgs), partial_files=0, failures=0)
+        t.check(len(msgs) == 1 and "is full" in msgs[0] and "cache_dir" in msgs[0], msgs)
+        left_by_trainer = temp_files(cache_dir)  # before a new dataset sweeps what dead writers left
+        files, temp, problems = _check_disk_dir(cache_dir, build(), n, size)
+        t.check(not temp and not problems, (temp, problems))
+        t.check(1 <= files < n, f"{files} files written")
+        t.record(files_written=files, warnings=len(msgs), wrong_entries=len(problems),
+                 temp_files_left_by_trainer=len(left_by_trainer), partial_files=len(temp))
+        t.assert_clean("hung", "wrong_items", "wrong_entries", "partial_files")
 
 
 def test_disk_full_while_compressing_is_reported_as_disk_full(tmp_path):
@@ -268,19 +295,19 @@ def test_cache_dir_remounted_read_only_mid_epoch(tmp_path):
                 remount(cache_dir, "ro")
 
         log = str(tmp_path / "warnings.log")
-        code = run_trainer(build, 3, sizes, log, go_read_only, lambda ds: ds.flush())
-        assert code == 0, f"trainer exit code {code} (3: a wrong item)"
+        t = Tally("exhaustion/disk-read-only-mid-epoch", "hung", "items_checked", "wrong_items", epochs=3, items=n)
+        check_trainer(t, run_trainer(build, 3, sizes, log, go_read_only, lambda ds: ds.flush()))
         msgs = monai_cache_warnings(log)
-        assert len(msgs) == 1 and "cannot write" in msgs[0] and "cache_dir" in msgs[0], msgs
+        t.check(len(msgs) == 1 and "cannot write" in msgs[0] and "cache_dir" in msgs[0], msgs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "cannot write files in the cache directory": right, and expected
             reader = build()  # read-only now: reading works, nothing is written or removed
-        files, problems = _check_disk_dir(cache_dir, reader, n, size)
-        problems = [p for p in problems if not p.startswith("temporary file left")]
-        assert not problems and 1 <= files < n, (files, problems)
+        files, temp_before, problems = _check_disk_dir(cache_dir, reader, n, size)
+        t.check(not problems and 1 <= files < n, (files, problems))
         remount(cache_dir, "rw")
-        sweep_temp_files(cache_dir)  # what the next PersistentDataset does: a killed or stopped writer's leftovers
-        files_after, problems = _check_disk_dir(cache_dir, build(), n, size)
-        assert not problems and files_after == files, problems
-        record("exhaustion/disk-read-only-mid-epoch", epochs=3, items=n, items_checked=3 * n, files_written=files,
-               warnings=len(msgs), partial_files=0, failures=0)
+        swept = sweep_temp_files(cache_dir)  # what the next PersistentDataset does: a killed or stopped writer's
+        files_after, temp, problems_after = _check_disk_dir(cache_dir, build(), n, size)  # leftovers
+        t.check(not temp and not problems_after and files_after == files, (files_after, temp, problems_after))
+        t.record(files_written=files, warnings=len(msgs), wrong_entries=len(problems) + len(problems_after),
+                 temp_files_while_read_only=len(temp_before), swept=len(swept), partial_files=len(temp))
+        t.assert_clean("hung", "wrong_items", "wrong_entries", "partial_files")

@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 import zlib
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -31,12 +30,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monai_cache import disk
+from monai_cache import codec, disk_format, runtime
 from monai_cache.codec import CorruptEntryError, decode, encode
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import MISSING, DiskStore, read_entry
+from monai_cache.disk import MISSING, DiskStore
+from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
-from monai_cache.shm import SharedMemoryStore, blob_tag
+from monai_cache.shm import SharedMemoryStore
+from monai_cache.shm_directory import entry_tag
 
 from ._fuzzing import (
     Payload,
@@ -49,7 +50,17 @@ from ._fuzzing import (
     split,
     structure_equal,
 )
-from ._harness import MakeItem, data_list, env_int, item_problem, make_item, record
+from ._harness import (
+    Hang,
+    MakeItem,
+    Tally,
+    data_list,
+    deadline,
+    env_int,
+    item_problem,
+    join_or_kill,
+    make_item,
+)
 
 EXAMPLES = env_int("MONAI_CACHE_FUZZ_EXAMPLES", 300)
 FUZZ = settings(
@@ -75,27 +86,46 @@ def samples() -> list[tuple[Any, bytes]]:
     return _samples
 
 
-def attempt(blob: bytes, verify: bool = False) -> tuple[str, Any]:
-    """Decode ``blob``: ('value', item) or ('corrupt', None). Any other exception, a hang, an oversized result
-    or a newly imported (non-MONAI) module fails the test."""
+def attempt(t: Tally, blob: bytes, verify: bool = False) -> tuple[str, Any]:
+    """Decode ``blob``: ('value', item), ('corrupt', None), or ('crash', None) / ('hang', None).
+
+    Counted into ``t`` (each a failed check too): ``crashes`` (an exception other than CorruptEntryError), ``hangs``
+    (interrupted after DECODE_SECONDS, or a call into C that returned after that), ``oversized`` (a result far
+    bigger than the entry), ``imports`` (decodes that imported a module other than MONAI's)."""
+    t.add("decodes")
     before = set(sys.modules)
     t0 = time.monotonic()
+    got, outcome, error = None, "crash", ""
     try:
-        got = decode(bytearray(blob), verify=verify)
-        outcome = "value"
-    except CorruptEntryError:
-        got, outcome = None, "corrupt"
-    elapsed = time.monotonic() - t0
-    assert elapsed < DECODE_SECONDS, f"decoding took {elapsed:.1f} s"
-    assert nbytes(got) <= 16 * len(blob) + (1 << 20), "decoding allocated far more than the entry holds"
+        with deadline(DECODE_SECONDS):
+            try:
+                got = decode(bytearray(blob), verify=verify)
+                outcome = "value"
+            except CorruptEntryError:
+                outcome = "corrupt"
+    except Hang:
+        outcome = "hang"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    if outcome != "crash" and time.monotonic() - t0 >= DECODE_SECONDS:
+        outcome = "hang"  # interrupted, or a call into C that returned too late
+    t.add("crashes", outcome == "crash")
+    t.check(outcome != "crash", f"decode(verify={verify}) raised {error}: {blob[:300]!r}")
+    t.add("hangs", outcome == "hang")
+    t.check(outcome != "hang", f"decode(verify={verify}) took {DECODE_SECONDS} s or more: {blob[:300]!r}")
+    oversized = nbytes(got) > 16 * len(blob) + (1 << 20)
+    t.add("oversized", oversized)
+    t.check(not oversized, f"decoding allocated far more than the entry holds: {blob[:300]!r}")
     imported = [m for m in set(sys.modules) - before if m != "monai" and not m.startswith("monai.")]
-    assert not imported, f"decoding imported {imported}"
+    t.add("imports", bool(imported))
+    t.check(not imported, f"decoding imported {imported}")
     return outcome, got
 
 
 # ------------------------------------------------------------------------------- codec: random damage
 def test_random_damage_is_detected_or_only_changes_unverified_buffer_bytes():
-    outcomes: Counter = Counter()
+    t = Tally("fuzz/codec-random-damage", "examples_run", "decodes", "wrong_data_accepted_with_verify",
+              "wrong_data_unverified", "crashes", "hangs", "oversized", "imports", examples=EXAMPLES)
 
     @FUZZ
     @given(
@@ -106,6 +136,7 @@ def test_random_damage_is_detected_or_only_changes_unverified_buffer_bytes():
         junk=st.binary(min_size=1, max_size=48),
     )
     def run(k, op, where, bit, junk):
+        t.add("examples_run")
         item, blob = samples()[k]
         pos = int(where * len(blob))
         bad = bytearray(blob)
@@ -126,19 +157,25 @@ def test_random_damage_is_detected_or_only_changes_unverified_buffer_bytes():
         _, data = split(blob)
         data_start = len(blob) - len(data)
         for verify in (True, False):
-            outcome, got = attempt(bytes(bad), verify)
+            outcome, got = attempt(t, bytes(bad), verify)
+            if outcome in ("crash", "hang"):
+                continue
             if outcome == "corrupt" or deep_equal(got, item):
-                outcomes["rejected" if outcome == "corrupt" else "unchanged"] += 1
+                t.add("rejected" if outcome == "corrupt" else "unchanged")
                 continue
             # The only tolerated difference: without verify=True, buffer bytes are not checksummed on read.
-            assert not verify, f"{op} at {pos}: wrong data passed the full checksum"
-            assert op in ("flip", "overwrite") and span[0] >= data_start, f"{op} at {pos} changed the item"
-            assert structure_equal(got, item)
-            outcomes["buffer bytes changed (verify=False)"] += 1
+            where = f"{op} at {pos} of sample {k} (junk {junk!r}, bit {bit})"
+            t.add("wrong_data_accepted_with_verify", verify)
+            if not t.check(not verify, f"{where}: wrong data passed the full checksum"):
+                continue
+            tolerated = t.check(op in ("flip", "overwrite") and span[0] >= data_start, f"{where} changed the item")
+            tolerated = t.check(structure_equal(got, item), f"{where} changed the item's structure") and tolerated
+            t.add("buffer bytes changed (verify=False)" if tolerated else "wrong_data_unverified")
 
     run()
-    record("fuzz/codec-random-damage", examples=EXAMPLES, decodes=sum(outcomes.values()), **outcomes,
-           wrong_data_accepted_with_verify=0, crashes=0, failures=0)
+    t.record()
+    t.assert_clean("wrong_data_accepted_with_verify", "wrong_data_unverified", "crashes", "hangs", "oversized",
+                   "imports")
 
 
 # ----------------------------------------------------------------------------- codec: crafted headers
@@ -164,7 +201,8 @@ EDITS = st.sampled_from(sorted(NUDGES)) | st.sampled_from(HOSTILE_TOKENS)
 
 
 def test_crafted_headers_never_crash_hang_or_import():
-    outcomes: Counter = Counter()
+    t = Tally("fuzz/codec-crafted-headers", "examples_run", "decodes", "crashes", "hangs", "oversized", "imports",
+              examples=EXAMPLES)
 
     @FUZZ
     @given(
@@ -174,6 +212,7 @@ def test_crafted_headers_never_crash_hang_or_import():
         verify=st.booleans(),
     )
     def run(k, edits, flips, verify):
+        t.add("examples_run")
         _, blob = samples()[k]
         header, data = split(blob)
         tokens = list(TOKEN.finditer(header))
@@ -196,11 +235,13 @@ def test_crafted_headers_never_crash_hang_or_import():
             spans = json.loads(bytes(out)).get("buffers")
         except (ValueError, AttributeError, RecursionError):
             spans = None
-        outcome, _ = attempt(assemble(bytes(out), data, spans=spans), verify)
-        outcomes[outcome] += 1
+        outcome, _ = attempt(t, assemble(bytes(out), data, spans=spans), verify)
+        if outcome in ("value", "corrupt"):  # (crashes and hangs: counted by attempt)
+            t.add(outcome)
 
     run()
-    record("fuzz/codec-crafted-headers", examples=EXAMPLES, **outcomes, crashes=0, hangs=0, imports=0, failures=0)
+    t.record()
+    t.assert_clean("crashes", "hangs", "oversized", "imports")
 
 
 # -------------------------------------------------------------------------- codec: generated headers
@@ -250,12 +291,15 @@ SPANS = st.lists(st.lists(INTS, max_size=3) | INTS | st.none(), max_size=4)
 def test_generated_headers_never_crash_hang_import_or_unpickle(tmp_path):
     marker = str(tmp_path / "PWNED")
     planted = base64.b64encode(payload_pickle(marker)).decode()
-    outcomes: Counter = Counter()
+    t = Tally("fuzz/codec-generated-headers", "examples_run", "decodes", "with_pickled_payload", "executed_payloads",
+              "crashes", "hangs", "oversized", "imports", examples=EXAMPLES)
 
     @FUZZ
     @given(root=NODES, spans=SPANS, data=st.binary(max_size=600), pickled=st.booleans(), verify=st.booleans(),
            shape=st.sampled_from(["normal", "no root", "no buffers", "list"]))
     def run(root, spans, data, pickled, verify, shape):
+        t.add("examples_run")
+        t.add("with_pickled_payload", pickled)
         if pickled:  # a pickled value somewhere in the tree: must never be loaded
             root = {"~": "d", "k": ["a", "b"], "v": [root, {"~": "P", "x": planted}]}
         doc: Any = {"root": root, "buffers": spans}
@@ -266,13 +310,17 @@ def test_generated_headers_never_crash_hang_import_or_unpickle(tmp_path):
         elif shape == "list":
             doc = [root, spans]
         header = json.dumps(doc, separators=(",", ":")).encode()
-        outcome, _ = attempt(assemble(header, data, spans=spans), verify)
-        outcomes[outcome] += 1
-        assert not os.path.exists(marker), "a pickled payload was executed"
+        outcome, _ = attempt(t, assemble(header, data, spans=spans), verify)
+        if outcome in ("value", "corrupt"):  # (crashes and hangs: counted by attempt)
+            t.add(outcome)
+        executed = os.path.exists(marker)  # the payload creates it when unpickled
+        t.add("executed_payloads", executed)
+        if not t.check(not executed, f"a pickled payload was executed: {header[:300]!r}"):
+            os.unlink(marker)  # so that the next execution counts too
 
     run()
-    assert not os.path.exists(marker)
-    record("fuzz/codec-generated-headers", examples=EXAMPLES, **outcomes, crashes=0, executed_payloads=0, failures=0)
+    t.record()
+    t.assert_clean("executed_payloads", "crashes", "hangs", "oversized", "imports")
 
 
 # ------------------------------------------------------------ codec: headers that crashed the decoder
@@ -344,22 +392,34 @@ def test_atheris_bounded_run(tmp_path):
     seconds = env_int("MONAI_CACHE_ATHERIS_SECONDS", 300)  # a cap only, for a very slow machine
     script = os.path.join(os.path.dirname(__file__), "fuzz_codec.py")
     corpus = str(tmp_path / "corpus")
+    artifacts = str(tmp_path / "artifacts")  # libFuzzer saves each input that crashed, hung or ran out of memory
+    os.makedirs(artifacts)
     env = dict(os.environ, PYTHONHASHSEED="0")
     subprocess.run([sys.executable, script, "--make-corpus", corpus], check=True, timeout=300, env=env)
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, script, corpus, f"-runs={runs}", f"-max_total_time={seconds}", "-rss_limit_mb=3072",
-         "-timeout=10", "-print_final_stats=1", "-seed=1"],
+         "-timeout=10", "-print_final_stats=1", "-seed=1", f"-artifact_prefix={artifacts}/"],
         capture_output=True, text=True, timeout=300 + seconds, env=env, cwd=str(tmp_path),
     )
     tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
+    saved = os.listdir(artifacts)
+    t = Tally("fuzz/atheris", runs=runs)
+    for figure, kinds in (("crashes", ("crash-", "leak-", "deadly-")), ("hangs", ("timeout-",)), ("ooms", ("oom-",))):
+        t.add(figure, sum(name.startswith(kinds) for name in saved))
+    t.check(r.returncode == 0, f"exit code {r.returncode}: {tail}")
     done = re.findall(r"stat::number_of_executed_units:\s*(\d+)", r.stderr)
-    record("fuzz/atheris", seconds=round(time.monotonic() - t0, 1), executions=int(done[-1]) if done else None,
-           crashes=0, failures=0)
+    t.record(seconds=round(time.monotonic() - t0, 1), executions=int(done[-1]) if done else None,
+             exit_code=r.returncode)
+    t.assert_clean("crashes", "hangs", "ooms")
 
 
 # ------------------------------------------------------------------------ shared-memory index slots
+def blob_tag(blob: bytes, i: int) -> int:
+    """The tag an honest writer gives entry ``i`` holding ``blob``."""
+    return entry_tag(codec.blob_identity(blob), i)
+
+
 def plant_slot(cache: str, i: int, seg: int, offset: int, length: int, tag: int) -> None:
     """Write index slot ``i`` of the cache directory ``cache`` as docs/shared-memory.md lays it out (32 bytes):
     segment and tag (u32), offset and length (u64), 4 reserved bytes, then the CRC-32 of those 28 bytes
@@ -389,6 +449,7 @@ def read_slot_raw(cache: str, i: int) -> tuple[int, int, int, int]:
 
 
 SLOT = 32  # bytes per index slot
+SLOT_SECONDS = 10.0  # a hang detector: damaging a slot, reading and recomputing an entry takes milliseconds
 SLOT_SIZES = {i: 1024 + 100 * i for i in range(5)} | {5: 300_005}  # distinct sizes; entry 5 has a file of its own
 
 
@@ -398,7 +459,8 @@ def test_fuzzed_index_slots_never_serve_wrong_data(shm_dir):
     items = {i: make_item(i, s) for i, s in SLOT_SIZES.items()}
     for i in range(n):
         store[i] = items[i]
-    outcomes: Counter = Counter()
+    t = Tally("fuzz/shm-index-slots", "examples_run", "wrong_data", "wrong_recomputed", "crashes", "hangs",
+              examples=EXAMPLES)
 
     @FUZZ
     @given(i=st.integers(0, n - 1), kind=st.sampled_from(["raw", "checksummed"]),
@@ -408,6 +470,12 @@ def test_fuzzed_index_slots_never_serve_wrong_data(shm_dir):
            big=st.integers(0, 2**32 - 1), huge_len=st.booleans(), huge=st.integers(0, 2**64 - 1),
            tag=st.sampled_from(["right", "other entry's", "random"]))
     def run(i, kind, raw, seg, off_delta, len_delta, big, huge_len, huge, tag):
+        t.add("examples_run")
+        with t.trial(f"slot {i}: {kind} {raw!r} {seg} {off_delta} {len_delta} {big} {huge_len} {huge} {tag}"), \
+                deadline(SLOT_SECONDS):
+            damage_slot_and_read(i, kind, raw, seg, off_delta, len_delta, big, huge_len, huge, tag)
+
+    def damage_slot_and_read(i, kind, raw, seg, off_delta, len_delta, big, huge_len, huge, tag):
         if not store.contains(i):
             store[i] = items[i]
         real_seg, real_off, real_len, real_tag = read_slot_raw(store.path, i)
@@ -420,24 +488,33 @@ def test_fuzzed_index_slots_never_serve_wrong_data(shm_dir):
                  "standalone": STANDALONE, "random": big}[seg]
             off = max(0, real_off + 64 * off_delta)
             length = huge if huge_len else max(0, real_len + len_delta)
-            t = {"right": real_tag, "other entry's": read_slot_raw(store.path, (i + 1) % n)[3], "random": big}[tag]
-            plant_slot(store.path, i, s, off, length, t)
+            other_tag = read_slot_raw(store.path, (i + 1) % n)[3]
+            slot_tag = {"right": real_tag, "other entry's": other_tag, "random": big}[tag]
+            plant_slot(store.path, i, s, off, length, slot_tag)
         got = store[i]
         if got is None:
-            outcomes["rejected"] += 1
+            t.add("rejected")
         else:
-            assert item_problem(got, i, SLOT_SIZES[i]) is None, "a damaged slot served wrong data"
-            outcomes["accepted (right item)"] += 1
+            wrong = item_problem(got, i, SLOT_SIZES[i])
+            t.add("wrong_data", wrong is not None)
+            if t.check(wrong is None, f"a damaged slot served wrong data: {wrong}"):
+                t.add("accepted (right item)")
         again = store.get_or_compute(i, lambda: items[i])  # and the entry is recomputed
-        assert item_problem(again, i, SLOT_SIZES[i]) is None
+        wrong = item_problem(again, i, SLOT_SIZES[i])
+        t.add("wrong_recomputed", wrong is not None)
+        t.check(wrong is None, f"recomputed after a damaged slot: {wrong}")
 
     try:
         run()
         for i in range(n):
-            assert item_problem(store.get_or_compute(i, lambda i=i: items[i]), i, SLOT_SIZES[i]) is None
+            with t.trial(f"entry {i} after the run"):
+                wrong = item_problem(store.get_or_compute(i, lambda i=i: items[i]), i, SLOT_SIZES[i])
+                t.add("wrong_recomputed", wrong is not None)
+                t.check(wrong is None, f"entry {i} after the run: {wrong}")
     finally:
         store.release()
-    record("fuzz/shm-index-slots", examples=EXAMPLES, **outcomes, wrong_data=0, crashes=0, failures=0)
+    t.record()
+    t.assert_clean("wrong_data", "wrong_recomputed", "crashes", "hangs")
 
 
 def test_a_slot_pointing_at_another_entry_is_rejected(shm_dir):
@@ -460,7 +537,7 @@ def test_crafted_disk_headers_never_crash(tmp_path):
     d = str(tmp_path / "cache")
     os.makedirs(d)
     key = "entry"
-    path = os.path.join(d, key + disk.ENTRY_SUFFIX)
+    path = os.path.join(d, key + disk_format.ENTRY_SUFFIX)
     item, blob = samples()[0]
     other_blob = samples()[2][1]
     zc = zstandard.ZstdCompressor()
@@ -475,8 +552,9 @@ def test_crafted_disk_headers_never_crash(tmp_path):
         "empty": b"",
         "zstd without content size": zstandard.ZstdCompressor(write_content_size=False).compress(blob),
     }
-    real_tag = disk.key_tag(key)
-    outcomes: Counter = Counter()
+    real_tag = disk_format.key_tag(key)
+    t = Tally("fuzz/disk-headers", "examples_run", "wrong_data", "wrong_data_from_store", "bad_files_kept",
+              "crashes", "hangs", examples=EXAMPLES)
 
     @FUZZ
     @given(
@@ -488,41 +566,56 @@ def test_crafted_disk_headers_never_crash(tmp_path):
         tag=st.sampled_from(["right", "wrong"]), header_crc=st.sampled_from(["right", "wrong"]),
     )
     def run(payload, version, hsize, flags, blob_len, stored_len, crc, codec_version, tag, header_crc):
+        t.add("examples_run")
         body = payloads[payload]
         real = len(blob) if payload != "zstd of another item" else len(other_blob)
         if flags == "natural":  # what a writer would set for this payload
-            flags = 0 if payload in ("raw", "random", "empty") else disk.FLAG_ZSTD
+            flags = 0 if payload in ("raw", "random", "empty") else disk_format.FLAG_ZSTD
         blob_len = {"real": real, "real-1": real - 1, "real+1": real + 1, "zero": 0, "64MiB": 64 << 20,
                     "512GiB": 512 << 30}.get(blob_len, blob_len)
         stored_len = {"file": len(body), "file-1": len(body) - 1, "file+1": len(body) + 1, "zero": 0}.get(
             stored_len, stored_len)
-        head = disk._HEADER.pack(
-            disk.DISK_MAGIC, version, hsize, flags, blob_len, max(0, stored_len),
+        head = disk_format.HEADER.pack(
+            disk_format.DISK_MAGIC, version, hsize, flags, blob_len, max(0, stored_len),
             zlib.crc32(body) if crc == "right" else 12345, codec_version,
             real_tag if tag == "right" else os.urandom(16), 0, 0,
         )
         hcrc = zlib.crc32(head[:60]) if header_crc == "right" else 54321
         with open(path, "wb") as f:
             f.write(head[:60] + hcrc.to_bytes(4, "little") + body)
-        t0 = time.monotonic()
-        try:
-            got = read_entry(path)
-            outcomes["accepted"] += 1
-            assert deep_equal(got, item) or payload == "zstd of another item", "wrong data accepted"
-        except CorruptEntryError:
-            outcomes["rejected"] += 1
-        with warnings.catch_warnings():
+        example = f"{payload}: {head[:60].hex()} {hcrc}"
+        t0, hangs_before = time.monotonic(), t.figures["hangs"]
+        with t.trial(f"read_entry, {example}"), deadline(2 * DECODE_SECONDS):
+            try:
+                got = read_entry(path)
+                t.add("accepted")
+                right = deep_equal(got, item) or payload == "zstd of another item"
+                t.add("wrong_data", not right)
+                t.check(right, f"wrong data accepted: {example}")
+            except CorruptEntryError:
+                t.add("rejected")
+        with t.trial(f"DiskStore.get, {example}"), deadline(2 * DECODE_SECONDS), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = DiskStore(d).get(key)  # the store never raises: MISSING, and the bad file is removed
-        assert got is MISSING or deep_equal(got, item) or payload == "zstd of another item"
-        assert got is not MISSING or not os.path.exists(path)
-        assert time.monotonic() - t0 < 2 * DECODE_SECONDS
+            right = got is MISSING or deep_equal(got, item) or payload == "zstd of another item"
+            t.add("wrong_data_from_store", not right)
+            t.check(right, f"DiskStore.get served wrong data: {example}")
+            kept = got is MISSING and os.path.exists(path)
+            t.add("bad_files_kept", kept)
+            t.check(not kept, f"DiskStore.get left a file it could not read: {example}")
+        elapsed = time.monotonic() - t0
+        if elapsed >= 2 * DECODE_SECONDS and t.figures["hangs"] == hangs_before:  # (not interrupted, but too slow)
+            t.add("hangs")
+            t.check(False, f"{elapsed:.1f} s for {example}")
 
     run()
-    record("fuzz/disk-headers", examples=EXAMPLES, **outcomes, crashes=0, failures=0)
+    t.record()
+    t.assert_clean("wrong_data", "wrong_data_from_store", "bad_files_kept", "crashes", "hangs")
 
 
-def _peak_rss_growth(paths: list[str]) -> None:
+def _peak_rss_growth(paths: list[str], out: str) -> None:
+    """Read every file in a fresh process; write how many were rejected and how much its peak RSS grew."""
+
     def hwm() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -530,13 +623,16 @@ def _peak_rss_growth(paths: list[str]) -> None:
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak to the current RSS
         f.write("5")
     before = hwm()
+    rejected = 0
     for path in paths:
         try:
             read_entry(path)
-            os._exit(255)
         except CorruptEntryError:
-            pass
-    os._exit(min(254, (hwm() - before) >> 24))  # growth in units of 16 MiB
+            rejected += 1
+    growth = hwm() - before
+    with open(out, "w") as f:
+        json.dump({"rejected": rejected, "growth": growth}, f)
+    os._exit(0)
 
 
 def test_a_tiny_file_claiming_a_huge_blob_allocates_nothing_big(tmp_path):
@@ -549,16 +645,26 @@ def test_a_tiny_file_claiming_a_huge_blob_allocates_nothing_big(tmp_path):
     payload = zstandard.ZstdCompressor().compress(b"\0" * 100)
     paths = []
     for claim in (1 << 30, 8 << 30, 512 << 30):
-        head = disk._pack_header(disk.FLAG_ZSTD, claim, len(payload), zlib.crc32(payload), f"k{claim}")
+        head = disk_format.pack_header(disk_format.FLAG_ZSTD, claim, len(payload), zlib.crc32(payload), f"k{claim}")
         paths.append(str(tmp_path / f"k{claim}.mcache"))
         with open(paths[-1], "wb") as f:
             f.write(head + payload)
-    p = multiprocessing.get_context("fork").Process(target=_peak_rss_growth, args=(paths,))
+    out = str(tmp_path / "measured.json")
+    p = multiprocessing.get_context("fork").Process(target=_peak_rss_growth, args=(paths, out))
     p.start()
-    p.join(120)
-    assert p.exitcode != 255, "a crafted file was accepted"
-    growth = p.exitcode * 16
-    assert growth < 256, f"reading {len(paths)} tiny files raised the peak RSS by about {growth} MiB"
+    code = join_or_kill(p, 120)
+    t = Tally("hostile/huge-claimed-blob", files=len(paths))
+    t.add("hangs", code is None)
+    t.check(code == 0, f"the reader exited with {code} (None: it hung)")
+    measured = {"rejected": 0, "growth": None}
+    if os.path.exists(out):
+        with open(out) as f:
+            measured = json.load(f)
+    t.check(measured["rejected"] == len(paths), f"{len(paths) - measured['rejected']} crafted files accepted")
+    growth = None if measured["growth"] is None else measured["growth"] / 2**20
+    t.check(growth is not None and growth < 256, f"reading {len(paths)} tiny files raised the peak RSS by {growth} MiB")
+    t.record(rejected=measured["rejected"], peak_rss_growth_mib=None if growth is None else round(growth, 1))
+    t.assert_clean("hangs")
 
 
 # -------------------------------------------------------------------------------- planted pickles
@@ -613,29 +719,56 @@ def plant_all(cache: str, plants: dict[str, bytes]) -> None:
             plant_slot(cache, i, plant_segment(cache, content, seg=i + 1), 0, len(content), blob_tag(content, i))
 
 
+class Markers:
+    """One marker file per planted payload, in a directory of their own: the payloads that ran are counted by
+    listing it (a payload creates its marker when unpickled)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory)
+
+    def __call__(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def executed(self) -> list[str]:
+        return sorted(os.listdir(self.directory))
+
+
+def shm_plants(marker: Markers, phase: str, tmp_path) -> dict[str, bytes]:
+    """The six planted entries of the shared-memory test, each with a marker of its own (``<phase>-<k>``)."""
+    return {
+        "a pickle as a packed segment": payload_pickle(marker(f"{phase}-0")),
+        "a torch.save file as a packed segment": _torch_save_bytes(marker(f"{phase}-1"), tmp_path),
+        "a codec entry with a pickled value": _pickled_blob(marker(f"{phase}-2")),
+        "a codec entry with a pickle in MetaTensor metadata": _pickled_blob(marker(f"{phase}-3"), in_metatensor=True),
+        "a pickle as an entry file <i>.e": payload_pickle(marker(f"{phase}-4")),
+        "a torch.save file as an entry file <i>.e": _torch_save_bytes(marker(f"{phase}-5"), tmp_path),
+    }
+
+
 def test_planted_pickles_in_shared_memory_are_never_executed(shm_dir, tmp_path):
     _assert_payload_is_live(tmp_path)
-    marker = str(tmp_path / "PWNED")
-    plants = {
-        "a pickle as a packed segment": payload_pickle(marker),
-        "a torch.save file as a packed segment": _torch_save_bytes(marker, tmp_path),
-        "a codec entry with a pickled value": _pickled_blob(marker),
-        "a codec entry with a pickle in MetaTensor metadata": _pickled_blob(marker, in_metatensor=True),
-        "a pickle as an entry file <i>.e": payload_pickle(marker),
-        "a torch.save file as an entry file <i>.e": _torch_save_bytes(marker, tmp_path),
-    }
-    n = len(plants)
+    marker = Markers(str(tmp_path / "PWNED"))
+    t = Tally("hostile/planted-pickles-shm", "planted_entries", "planted_served", "items_right", "crashes")
     # 1) entries planted in a live cache, with index slots that point at them (checksums right)
+    plants = shm_plants(marker, "live", tmp_path)
+    n = len(plants)
     store = SharedMemoryStore("planted", n, shm_dir=shm_dir)
     plant_all(store.path, plants)
+    t.add("planted_entries", n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(n):
-            assert store[i] is None
-            assert item_problem(store.get_or_compute(i, lambda i=i: make_item(i, 64)), i, 64) is None
-    assert store.stats()["machine"]["corrupt"] == n
+            with t.trial(f"live cache, entry {i}"):
+                served = store[i] is not None
+                t.add("planted_served", served)
+                t.check(not served, f"planted entry {i} served")
+                right = item_problem(store.get_or_compute(i, lambda i=i: make_item(i, 64)), i, 64) is None
+                t.add("items_right", right)
+                t.check(right, f"entry {i} recomputed wrong")
+    corrupt = store.stats()["total"]["corrupt"]
+    t.check(corrupt == n, f"{corrupt} of {n} planted entries reported corrupt")
     store.release()
-    assert not os.path.exists(marker)
 
     # 2) a whole fake cache directory under our naming, kept (so it is not wiped), read by DataLoader workers
     def build():
@@ -649,83 +782,106 @@ def test_planted_pickles_in_shared_memory_are_never_executed(shm_dir, tmp_path):
     os.makedirs(path, 0o700)
     for name in ("keep", "lease"):
         open(os.path.join(path, name), "w").close()
-    plant_all(path, plants)
+    plant_all(path, shm_plants(marker, "kept", tmp_path))
+    t.add("planted_entries", n)
     from monai.data import DataLoader
 
     ds = build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        seen = sorted(int(b["i"]) for b in DataLoader(ds, batch_size=1, num_workers=2))
-        assert seen == list(range(n))
+        with t.trial("kept cache, DataLoader"):
+            seen = sorted(int(b["i"]) for b in DataLoader(ds, batch_size=1, num_workers=2))
+            t.check(seen == list(range(n)), f"the workers loaded {seen}")
         for i in range(n):
-            assert item_problem(ds[i], i, 64) is None
+            with t.trial(f"kept cache, entry {i}"):
+                right = item_problem(ds[i], i, 64) is None
+                t.add("items_right", right)
+                t.check(right, f"kept cache: entry {i} wrong")
     ds.release()
     from monai_cache.shm import remove_cache
 
     remove_cache(os.path.basename(path), shm_dir)
-    assert not os.path.exists(marker), "a planted payload was executed"
-    record("hostile/planted-pickles-shm", planted_entries=2 * n, executed=0, items_right=2 * n, failures=0)
+    executed = marker.executed()
+    t.check(not executed, f"planted payloads were executed: {executed}")
+    t.record(executed=len(executed), corrupt_in_live_cache=corrupt)
+    t.assert_clean("planted_served", "executed", "crashes")
 
 
 def test_planted_pickles_in_the_disk_cache_are_never_executed(tmp_path):
     from monai.data import DataLoader
 
     _assert_payload_is_live(tmp_path)
-    marker = str(tmp_path / "PWNED")
+    marker = Markers(str(tmp_path / "PWNED"))
+    t = Tally("hostile/planted-pickles-disk", "planted_files", "planted_records", "items_right", "crashes")
     cache = str(tmp_path / "cache")
     n = 5
     ds = PersistentDataset(data_list(n, 64), MakeItem(), cache_dir=cache)
 
     def disk_entry(key: str, content: bytes) -> bytes:
         """A well-formed disk file (right key tag and checksums) around an arbitrary blob."""
-        head = disk._pack_header(0, len(content), len(content), zlib.crc32(content), key)
+        head = disk_format.pack_header(0, len(content), len(content), zlib.crc32(content), key)
         return head + content
 
+    def plant(path: str, content: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(content)
+        t.add("planted_files")
+
     keys = [ds._entry_key(ds.data[i]) for i in range(n)]
-    assert [ds.entry_path(i).name for i in range(n)] == [k + disk.ENTRY_SUFFIX for k in keys]  # nothing stored yet
+    # nothing stored yet
+    assert [ds.entry_path(i).name for i in range(n)] == [k + disk_format.ENTRY_SUFFIX for k in keys]
     plants = [
-        payload_pickle(marker),
-        _torch_save_bytes(marker, tmp_path),
-        disk_entry(keys[2], _pickled_blob(marker)),
-        disk_entry(keys[3], _pickled_blob(marker, in_metatensor=True)),
-        disk_entry(keys[4], payload_pickle(marker)),
+        payload_pickle(marker("entry-0")),
+        _torch_save_bytes(marker("entry-1"), tmp_path),
+        disk_entry(keys[2], _pickled_blob(marker("entry-2"))),
+        disk_entry(keys[3], _pickled_blob(marker("entry-3"), in_metatensor=True)),
+        disk_entry(keys[4], payload_pickle(marker("entry-4"))),
     ]
     for i, content in enumerate(plants):
-        with open(ds.entry_path(i), "wb") as f:
-            f.write(content)
+        plant(ds.entry_path(i), content)
     for i in range(n):  # and MONAI's own cache file names, as MONAI's PersistentDataset would write them
-        with open(os.path.join(cache, f"{keys[i].split('-')[0]}.pt"), "wb") as f:
-            f.write(_torch_save_bytes(marker, tmp_path))
+        plant(os.path.join(cache, f"{keys[i].split('-')[0]}.pt"), _torch_save_bytes(marker(f"pt-{i}"), tmp_path))
     # and a planted pack: well-formed records (right key tags, checksums, index) holding pickles, indexed as
     # written in the far future so that they outrank whatever real record is appended later
-    planted = os.path.join(cache, f"pack.{disk._HOST_TAG}.{2**22 + 1}.0")
-    records, index = b"", disk._index_header()
-    for i, content in enumerate(plants[2:] + [disk_entry(keys[0], _pickled_blob(marker))] * 2):
+    planted = os.path.join(cache, f"pack.{runtime.HOST_TAG}.{2**22 + 1}.0")
+    records, index = b"", disk_format.index_header()
+    contents = [  # what the entries 2, 3, 4 hold, then a codec entry with a pickled value, twice
+        _pickled_blob(marker("record-0")), _pickled_blob(marker("record-1"), in_metatensor=True),
+        payload_pickle(marker("record-2")), _pickled_blob(marker("record-3")), _pickled_blob(marker("record-4")),
+    ]
+    for i, content in enumerate(contents):
         key = keys[(i + 2) % n]
-        record_bytes = disk_entry(key, content[64:] if content[:8] == disk.DISK_MAGIC else content)
-        index += disk._index_record(disk.key_tag(key), len(records), len(record_bytes), 2**63)
+        record_bytes = disk_entry(key, content)
+        index += disk_format.index_record(disk_format.key_tag(key), len(records), len(record_bytes), 2**63)
         records += record_bytes
-    with open(planted + disk.PACK_SUFFIX, "wb") as f:
-        f.write(records)
-    with open(planted + disk.INDEX_SUFFIX, "wb") as f:
-        f.write(index)
+        t.add("planted_records")
+    plant(planted + disk_format.PACK_SUFFIX, records)
+    plant(planted + disk_format.INDEX_SUFFIX, index)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        seen = sorted(int(b["i"]) for b in DataLoader(ds, batch_size=1, num_workers=2))
-        assert seen == list(range(n))
+        with t.trial("DataLoader"):
+            seen = sorted(int(b["i"]) for b in DataLoader(ds, batch_size=1, num_workers=2))
+            t.check(seen == list(range(n)), f"the workers loaded {seen}")
         for i in range(n):
-            assert item_problem(ds[i], i, 64) is None
+            with t.trial(f"entry {i}"):
+                right = item_problem(ds[i], i, 64) is None
+                t.add("items_right", right)
+                t.check(right, f"entry {i} wrong")
         ds.flush()
     fresh = DiskStore(cache)
     for i in range(n):  # the planted files were replaced by real entries
-        assert not os.path.exists(os.path.join(cache, keys[i] + disk.ENTRY_SUFFIX))
-        with warnings.catch_warnings():
+        replaced = not os.path.exists(os.path.join(cache, keys[i] + disk_format.ENTRY_SUFFIX))
+        t.check(replaced, f"the planted file of entry {i} is still there")
+        with t.trial(f"fresh reader, entry {i}"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a new reader meets the planted records first: reported, skipped
             got = fresh.get(keys[i])
-        assert got is not MISSING and item_problem(got, i, 64) is None
-    assert fresh.stats()["process"]["corrupt"] == n  # every planted record was met, and refused
-    assert not os.path.exists(marker), "a planted payload was executed"
-    record("hostile/planted-pickles-disk", planted_files=2 * n, executed=0, items_right=n, failures=0)
+            t.check(got is not MISSING and item_problem(got, i, 64) is None, f"fresh reader: entry {i} wrong")
+    refused = fresh.stats()["process"]["corrupt"]
+    t.check(refused == n, f"{refused} of {n} planted records met and refused")
+    executed = marker.executed()
+    t.check(not executed, f"planted payloads were executed: {executed}")
+    t.record(executed=len(executed), records_refused_by_a_fresh_reader=refused)
+    t.assert_clean("executed", "crashes")
 
 
 def test_codec_never_unpickles_without_opt_in(tmp_path):

@@ -27,28 +27,37 @@ import warnings
 import pytest
 import torch
 
-from monai_cache import codec, disk
+from monai_cache import codec, disk_format, runtime
 from monai_cache.dataset import CacheDataset
-from monai_cache.disk import DiskStore, read_entry
+from monai_cache.disk import DiskStore
+from monai_cache.disk_format import read_entry
 from monai_cache.persistent import PersistentDataset
+from monai_cache.runtime import OFDLock
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
-from monai_cache.utils import OFDLock
 
 from ._harness import (
     MakeItem,
+    Tally,
     env_int,
     gone,
     item_problem,
     item_size,
+    join_or_kill,
     kill_child_of,
     make_item,
-    record,
     start_rank,
+    temp_files,
     tree_bytes,
     tree_files,
 )
 
 FORK = multiprocessing.get_context("fork")
+
+
+def _temp_of(name: str, pid: int) -> bool:
+    """Whether ``name`` is a temporary file written by process ``pid``."""
+    owner = runtime.temp_owner(name)
+    return owner is not None and owner[1] == pid
 TRIALS = env_int("MONAI_CACHE_RELIABILITY_TRIALS", 100)
 SEED = env_int("MONAI_CACHE_RELIABILITY_SEED", 20_240)
 N_ITEMS = 12
@@ -82,8 +91,8 @@ class ShmTarget:
         self.store.clear()
 
     def dead_temp_files(self) -> set[str]:
-        """Large entries that killed processes left half written (``.tmp.<pid>.<tid>.<n>``)."""
-        return {n for n in os.listdir(self.store.path) if n.startswith(".tmp.") and gone(int(n.split(".")[2]))}
+        """Large entries that killed processes left half written (``runtime.temp_name``)."""
+        return {n for n in os.listdir(self.store.path) if (o := runtime.temp_owner(n)) is not None and gone(o[1])}
 
     def mid_write(self) -> bool:
         """Whether this kill left a large entry half written."""
@@ -105,7 +114,7 @@ class ShmTarget:
                 problems.append(problem)
             if self.verifier[i] is None:  # only this process clears entries: None means it failed the check
                 problems.append(f"entry {i} accepted by the reader fails the data checksum")
-        corrupt = self.store.stats()["machine"]["corrupt"]
+        corrupt = self.store.stats()["total"]["corrupt"]
         if corrupt:
             problems.append(f"{corrupt} corrupt entries were found and removed")
         return accepted, problems
@@ -115,7 +124,7 @@ class ShmTarget:
         (segments of killed writers stay until the cache is removed), segment files."""
         names = os.listdir(self.store.path)
         dead = self.dead_temp_files()
-        return {"accounted_bytes": self.store.stats()["machine"]["bytes"],
+        return {"accounted_bytes": self.store.stats()["stored"]["bytes"],
                 "allocated_bytes": tree_bytes(self.store.path), "segments": sum(n.startswith("s.") for n in names),
                 "dead_temp_files_in_live_cache": len(dead),
                 "dead_temp_bytes_in_live_cache": sum(os.stat(os.path.join(self.store.path, n)).st_blocks * 512
@@ -140,7 +149,7 @@ class DiskTarget:
         self.seen: set[str] = set()
         self.reader = self.build()
         self.keys = [self.reader._entry_key(self.reader.data[i]) for i in range(N_ITEMS)]
-        self.paths = [os.path.join(cache_dir, key + disk.ENTRY_SUFFIX) for key in self.keys]
+        self.paths = [os.path.join(cache_dir, key + disk_format.ENTRY_SUFFIX) for key in self.keys]
 
     def build(self) -> PersistentDataset:
         return PersistentDataset(sized_data(self.sizes), MakeItem(), cache_dir=self.cache_dir)
@@ -148,25 +157,30 @@ class DiskTarget:
     def invalidate(self) -> None:
         """Delete the entry files and the packs (with their indexes): every entry must be written again."""
         for name in os.listdir(self.cache_dir):
-            if name.endswith(disk.ENTRY_SUFFIX) or disk.is_pack_file(name):
+            if name.endswith(disk_format.ENTRY_SUFFIX) or disk_format.is_pack_file(name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.cache_dir, name))
 
     def mid_write(self) -> bool:
-        """Whether this kill left a file half written (``.<key>.<host>.<pid>.w<n>.tmp``) or a record half
-        appended (a pack of a dead writer with bytes after its last indexed record, or a torn index record)."""
-        new = {
-            n for n in os.listdir(self.cache_dir)
-            if n.endswith(".tmp") and n.split(".")[3].isdigit() and gone(int(n.split(".")[3]))
-        }
+        """Whether this kill left a file written into but not published (a temporary file, ``runtime.temp_name``,
+        with bytes in it; one still empty was only reserved) or a record half appended (a pack of a dead writer
+        with bytes after its last indexed record, or a torn index record)."""
+        new = set()
+        for n in os.listdir(self.cache_dir):
+            owner = runtime.temp_owner(n)
+            if owner is not None and gone(owner[1]):
+                with contextlib.suppress(FileNotFoundError):
+                    if os.path.getsize(os.path.join(self.cache_dir, n)) > 0:
+                        new.add(n)
         for name in os.listdir(self.cache_dir):
-            if not (name.endswith(disk.INDEX_SUFFIX) and disk.is_pack_file(name)) or not gone(int(name.split(".")[2])):
+            index_of_dead = name.endswith(disk_format.INDEX_SUFFIX) and disk_format.is_pack_file(name)
+            if not index_of_dead or not gone(int(name.split(".")[2])):
                 continue
             index = os.path.join(self.cache_dir, name)
             with contextlib.suppress(FileNotFoundError):
-                records, pos, torn = disk.read_index(index)
+                records, pos, torn = disk_format.read_index(index)
                 end = max((o + n for _, o, n, _, _ in records), default=0)
-                pack = index[: -len(disk.INDEX_SUFFIX)] + disk.PACK_SUFFIX
+                pack = index[: -len(disk_format.INDEX_SUFFIX)] + disk_format.PACK_SUFFIX
                 if torn or os.path.getsize(index) > pos or os.path.getsize(pack) > end:
                     new.add(name)
         new -= self.seen
@@ -183,7 +197,7 @@ class DiskTarget:
             if where is None:
                 continue
             try:
-                got = disk.read_packed(where) if where.packed else read_entry(where.path)
+                got = disk_format.read_packed(where) if where.packed else read_entry(where.path)
             except FileNotFoundError:
                 continue  # removed meanwhile (a new rank's invalidation)
             except codec.CorruptEntryError as e:
@@ -198,7 +212,7 @@ class DiskTarget:
         return accepted, problems
 
     def state(self) -> dict:
-        entries = list(disk.stored_entries(self.cache_dir))
+        entries = list(disk_format.stored_entries(self.cache_dir))
         return {"files": sum(not e.packed for e in entries), "packed_entries": sum(e.packed for e in entries)}
 
     def release(self) -> None:
@@ -229,7 +243,10 @@ def _final_run(target_factory, sizes: dict[int, int], epochs: int) -> None:
         ds.flush()
 
 
-def run_kill_trials(target, trials: int, seed: int) -> dict:
+def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
+    """Run the kill trials, counting into ``t``. A trial whose fresh reader finds a wrong or corrupt entry, a rank
+    that reports a wrong item or an error, and a rank that makes no progress (``hangs``) are failed checks: the
+    trials stop at the first, and the test records what it counted before it fails."""
     rng = random.Random(seed)
     incarnation = 0
 
@@ -239,16 +256,17 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
         return start_rank(FORK, target.build, f"rank{r}", seed=seed * 1000 + incarnation, persistent=(r == 0),
                           sizes=target.sizes)
 
+    def progress(rank, epochs: int, when: str) -> bool:
+        ok = rank.wait_epochs(epochs, PROGRESS_TIMEOUT)
+        t.add("hangs", not ok and not rank.failures)  # no wrong item, no error: it is stuck
+        return t.check(ok, f"{rank.name} made no progress {when}: {rank.failures}")
+
     ranks = [new_rank(0), new_rank(1)]
     finished = []  # ranks killed whole: their counts
-    figures = {"trials": 0, "worker_kills": 0, "rank_kills": 0, "kills_mid_write": 0, "entries_checked": 0,
-               "entries_accepted": 0, "failures": 0, "progress_checks": 0}
-    problems: list[str] = []
     t0 = time.monotonic()
     try:
-        for rank in ranks:
-            assert rank.wait_epochs(1, PROGRESS_TIMEOUT), f"{rank.name} never completed an epoch: {rank.failures}"
-        while figures["trials"] < trials:
+        ok = all([progress(rank, 1, "in its first epoch") for rank in ranks])
+        while ok and t.figures["trials"] < trials:
             target.invalidate()
             # writes start as soon as the workers miss: half the kills come within 30 ms, the others within 200
             time.sleep(rng.uniform(0.0, 0.03) if rng.random() < 0.5 else rng.uniform(0.0, 0.2))
@@ -259,29 +277,26 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
             if not whole_rank:
                 if not rank.workers or not kill_child_of(rank.pid, rng.choice(rank.workers)):
                     continue  # that worker had already exited (end of epoch): draw again
-                figures["worker_kills"] += 1
+                t.add("worker_kills")
             else:
                 rank.kill_group()
                 finished.append(rank)
-                figures["rank_kills"] += 1
-            figures["kills_mid_write"] += target.mid_write()  # (before a new rank sweeps the leftovers)
+                t.add("rank_kills")
+            t.add("kills_mid_write", target.mid_write())  # (before a new rank sweeps the leftovers)
             if whole_rank:
                 ranks[r] = new_rank(r)
-            figures["trials"] += 1
+            t.add("trials")
             accepted, found = target.check()
-            figures["entries_checked"] += N_ITEMS
-            figures["entries_accepted"] += accepted
-            problems += [f"trial {figures['trials']}: {p}" for p in found]
+            t.add("entries_checked", N_ITEMS)
+            t.add("entries_accepted", accepted)
+            ok = t.check(not found, [f"trial {t.figures['trials']}: {p}" for p in found][:5])
             for rank in ranks:
                 rank.pump()
-                problems += rank.failures
-            assert not problems, problems[:5]
-            if figures["trials"] % PROGRESS_EVERY == 0:  # nothing blocks: every rank completes another epoch
-                for rank in ranks:
-                    ok = rank.wait_epochs(rank.epochs + 1, PROGRESS_TIMEOUT)
-                    assert ok, f"{rank.name} made no progress after trial {figures['trials']}: {rank.failures}"
-                figures["progress_checks"] += 1
-        figures.update(target.state())
+            ok = ok and not any(rank.failures for rank in ranks)  # (counted below)
+            if ok and t.figures["trials"] % PROGRESS_EVERY == 0:  # nothing blocks: every rank completes an epoch
+                ok = all([progress(rank, rank.epochs + 1, f"after trial {t.figures['trials']}") for rank in ranks])
+                t.add("progress_checks", ok)
+        t.figures.update(target.state())
         # The whole job dies: this process lets go of the cache first, so that nobody holds it when the
         # ranks and their workers are killed together.
         target.release()
@@ -289,45 +304,54 @@ def run_kill_trials(target, trials: int, seed: int) -> dict:
         for rank in ranks:
             rank.stop()
     every = finished + ranks
-    figures["items_checked_by_ranks"] = sum(r.checked for r in every)
-    figures["epochs_completed"] = sum(r.epochs for r in every)
-    figures["worker_deaths_seen"] = sum(r.worker_deaths for r in every)
-    figures["failures"] = len(problems) + sum(len(r.failures) for r in every)
-    figures["seconds"] = round(time.monotonic() - t0, 1)
-    return figures
+    t.add("items_checked_by_ranks", sum(r.checked for r in every))
+    t.add("epochs_completed", sum(r.epochs for r in every))
+    t.add("worker_deaths_seen", sum(r.worker_deaths for r in every))
+    reported = [line for r in every for line in r.failures]  # F: a wrong item, X: an error
+    t.add("wrong_items_or_errors_in_ranks", len(reported))
+    t.check(not reported, reported[:5])
+    t.figures["seconds"] = round(time.monotonic() - t0, 1)
 
 
-def run_final(target, epochs: int = 2, timeout: float = 180.0) -> None:
+def kill_tally(test: str, store: str) -> Tally:
+    return Tally(test, "trials", "worker_kills", "rank_kills", "kills_mid_write", "entries_checked",
+                 "entries_accepted", "progress_checks", "hangs", store=store, trials_asked=TRIALS)
+
+
+def run_final(t: Tally, target, epochs: int = 2, timeout: float = 180.0) -> None:
+    """The next run after the crash (:func:`_final_run`), counted into ``t``: a hang, or an exit code but 0."""
     p = FORK.Process(target=_final_run, args=(target.build, target.sizes, epochs))
     p.start()
-    p.join(timeout)
-    if p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        pytest.fail(f"the next run did not complete within {timeout} s")
-    assert p.exitcode == 0, f"the next run failed (exit code {p.exitcode})"
+    code = join_or_kill(p, timeout)
+    t.add("hangs", code is None)
+    t.check(code == 0, f"the next run failed (exit code {code}; None: it did not complete within {timeout} s)")
+    t.figures["next_run_exit_code"] = code
 
 
 def test_sigkill_workers_and_ranks_writing_shared_memory(shm_dir):
     target = ShmTarget(shm_dir)
     path = target.store.path
-    figures = run_kill_trials(target, TRIALS, SEED)
+    t = kill_tally("kills/shm", "shared memory")
+    run_kill_trials(t, target, TRIALS, SEED)
     # Whole job killed: ranks and workers died, the cache stays behind with nobody holding its lease...
-    assert os.path.isdir(path), "the ranks were killed: their cache should still be there, stale"
-    assert [c["state"] for c in list_caches(shm_dir) if c["path"] == path] == ["stale"]
-    stale_bytes = tree_bytes(path)
+    t.check(os.path.isdir(path), "the ranks were killed: their cache should still be there, stale")
+    states = [c["state"] for c in list_caches(shm_dir) if c["path"] == path]
+    t.check(states == ["stale"], f"the cache of the killed job is {states}, not stale")
+    stale_bytes = tree_bytes(path) if os.path.isdir(path) else 0
     # ...and the next process to join any cache on the machine reclaims it.
     probe = SharedMemoryStore("probe", 1, shm_dir=shm_dir)
     probe.release()
-    assert not os.path.exists(path), "stale shared memory of the killed processes was not reclaimed"
-    run_final(target)
+    reclaimed = not os.path.exists(path)
+    t.check(reclaimed, "stale shared memory of the killed processes was not reclaimed")
+    run_final(t, target)
     leftovers = tree_files(cache_root(shm_dir, create=False))
     leaked = tree_bytes(shm_dir)
-    assert leftovers == [".lock"] and leaked == 0, leftovers
-    record("kills/shm", store="shared memory", **figures, stale_bytes_reclaimed=stale_bytes, bytes_leaked=leaked)
-    assert figures["failures"] == 0
-    assert figures["worker_kills"] >= TRIALS // 4 and figures["rank_kills"] >= TRIALS // 5
-    assert figures["worker_deaths_seen"] >= 1
+    t.check(leftovers == [".lock"] and leaked == 0, leftovers)
+    t.record(stale_bytes_reclaimed=stale_bytes if reclaimed else 0, files_left=len(set(leftovers) - {".lock"}),
+             bytes_leaked=leaked)
+    t.assert_clean("hangs", "files_left", "bytes_leaked")
+    assert t.figures["worker_kills"] >= TRIALS // 4 and t.figures["rank_kills"] >= TRIALS // 5
+    assert t.figures["worker_deaths_seen"] >= 1
 
 
 def wait_reaped(pids: list[int], timeout: float = 30.0) -> None:
@@ -339,31 +363,36 @@ def wait_reaped(pids: list[int], timeout: float = 30.0) -> None:
 
 
 def temp_file_pids(directory: str) -> list[int]:
-    return [int(n.split(".")[3]) for n in os.listdir(directory) if n.endswith(".tmp") and n.split(".")[3].isdigit()]
+    return [owner[1] for n in os.listdir(directory) if (owner := runtime.temp_owner(n)) is not None]
 
 
 def test_sigkill_workers_and_ranks_writing_the_disk_cache(tmp_path):
     cache_dir = str(tmp_path / "cache")
     target = DiskTarget(cache_dir)
-    figures = run_kill_trials(target, TRIALS, SEED + 1)
-    temp_left = sum(n.endswith(".tmp") for n in os.listdir(cache_dir))
+    t = kill_tally("kills/disk", "disk")
+    run_kill_trials(t, target, TRIALS, SEED + 1)
+    temp_left = len(temp_files(cache_dir))
     wait_reaped(temp_file_pids(cache_dir))
-    run_final(target)  # a new PersistentDataset sweeps the killed writers' temporary files
+    run_final(t, target)  # a new PersistentDataset sweeps the killed writers' temporary files
     names = os.listdir(cache_dir)
     # nothing but entry files of these items, and packs with their indexes (no temporary file left)
     expected_files = {os.path.basename(p) for p in target.paths}
-    assert all(n in expected_files or disk.is_pack_file(n) for n in names), names
+    stray = [n for n in names if not (n in expected_files or disk_format.is_pack_file(n))]
+    t.check(not stray, names)
     accepted, problems = target.check()
-    assert accepted == N_ITEMS and not problems, problems
-    record("kills/disk", store="disk", **figures, temp_files_left_by_kills=temp_left, temp_files_after_next_run=0,
-           bytes_leaked=0)
-    assert figures["failures"] == 0
-    assert figures["kills_mid_write"] >= 1, "no kill landed while a file was being written"
-    assert figures["worker_kills"] >= TRIALS // 4 and figures["rank_kills"] >= TRIALS // 5
+    t.check(accepted == N_ITEMS and not problems, problems)
+    stray_bytes = sum(os.lstat(os.path.join(cache_dir, n)).st_blocks * 512 for n in stray)
+    t.record(temp_files_left_by_kills=temp_left, temp_files_after_next_run=len(temp_files(cache_dir)),
+             entries_after_next_run=accepted, wrong_entries_after_next_run=len(problems),
+             stray_files_after_next_run=len(stray), bytes_leaked=stray_bytes)
+    t.assert_clean("hangs", "temp_files_after_next_run", "wrong_entries_after_next_run", "stray_files_after_next_run",
+                   "bytes_leaked")
+    assert t.figures["kills_mid_write"] >= 1, "no kill landed while a file was being written"
+    assert t.figures["worker_kills"] >= TRIALS // 4 and t.figures["rank_kills"] >= TRIALS // 5
 
 
 def _leave_a_temp_file(directory: str) -> None:
-    with open(os.path.join(directory, f".somekey.{disk._HOST_TAG}.{os.getpid()}.w0.tmp"), "wb") as f:
+    with open(os.path.join(directory, f".somekey.{runtime.HOST_TAG}.{os.getpid()}.w0.tmp"), "wb") as f:
         f.write(b"half an entry")
     os._exit(0)  # as if killed mid-write; its parent has not reaped it yet
 
@@ -379,7 +408,7 @@ def test_sweep_removes_the_temporary_file_of_a_dead_unreaped_writer(tmp_path):
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
             time.sleep(0.01)
-        assert disk.sweep_temp_files(str(tmp_path)) == 1
+        assert len(runtime.sweep_temp_files(str(tmp_path))) == 1
     finally:
         os.waitpid(pid, 0)
 
@@ -401,18 +430,18 @@ def test_partial_entry_of_a_killed_writer_is_reclaimed_when_a_kept_cache_is_join
         p.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if os.path.isdir(path) and any(n.startswith(f".tmp.{p.pid}.") for n in os.listdir(path)):
+            if os.path.isdir(path) and any(_temp_of(n, p.pid) for n in os.listdir(path)):
                 break
             time.sleep(0.0005)
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
-        left = [n for n in os.listdir(path) if n.startswith(f".tmp.{p.pid}.")]
+        left = [n for n in os.listdir(path) if _temp_of(n, p.pid)]
         if left:
             break
     assert left, "no kill landed during a write"
     store = SharedMemoryStore("kept", 1, shm_dir=shm_dir, keep_warm=True)  # the next run joins the kept cache
     try:
-        remaining = [n for n in os.listdir(path) if n.startswith(".tmp.")]
+        remaining = [n for n in os.listdir(path) if runtime.temp_owner(n) is not None]
         assert remaining == [], f"partial entries of killed writers left in shared memory: {remaining}"
     finally:
         store.release()

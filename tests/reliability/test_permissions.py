@@ -27,7 +27,7 @@ from monai_cache.dataset import CacheDataset
 from monai_cache.persistent import PersistentDataset
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
 
-from ._harness import MakeItem, data_list, item_problem, make_item, record, tree_files
+from ._harness import MakeItem, Tally, data_list, item_problem, make_item, tree_changes, tree_files, tree_state
 
 FORK = multiprocessing.get_context("fork")
 NOBODY = 65534
@@ -110,9 +110,12 @@ def _loose(found: list) -> list:
 @pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask022", "umask000"])
 def test_every_cache_file_and_directory_is_owner_only(shm_dir, tmp_path, umask):
     out = in_child(_make_caches, umask, shm_dir, str(tmp_path / "cache"), False)
-    assert len(out["modes"]) >= 10
-    assert _loose(out["modes"]) == [], _loose(out["modes"])
-    record(f"permissions/owner-only-umask-{umask:03o}", paths_checked=len(out["modes"]), too_open=0, failures=0)
+    t = Tally(f"permissions/owner-only-umask-{umask:03o}")
+    loose = _loose(out["modes"])
+    t.check(len(out["modes"]) >= 10, f"only {len(out['modes'])} paths found")
+    t.check(loose == [], loose)
+    t.record(paths_checked=len(out["modes"]), too_open=len(loose))
+    t.assert_clean("too_open")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask022", "umask000"])
@@ -197,24 +200,35 @@ def test_another_user_can_neither_read_nor_remove_our_caches(public_shm_dir, tmp
     before_shm, before_disk = tree_files(our_root), tree_files(cache_dir)
     files = [os.path.join(our_root, f) for f in before_shm] + [os.path.join(cache_dir, f) for f in before_disk]
 
+    def our_state() -> dict:
+        return {(root, path): v for root in (our_root, cache_dir) for path, v in tree_state(root).items()}
+
+    state = our_state()
     out = in_child(_as_nobody_attack, shm_dir, our_root, cache_dir, live_key, files)
 
-    assert out["readable"] == [], out["readable"]
-    assert out["denied"] == len(files) >= 10
-    assert out["removed"] == []
-    assert out["listed"] == []  # it lists its own caches only (none left)
-    assert out["own_root"] != our_root and os.stat(out["own_root"]).st_uid == NOBODY
-    assert out["items_right"] == 4 and out["hits"] == 0
-    assert tree_files(our_root) == before_shm and tree_files(cache_dir) == before_disk
-    assert os.path.isdir(stale)  # its joins never reclaimed our stale cache...
-    for i in range(4):
-        assert item_problem(ds._cache[i], i) is None
+    t = Tally("permissions/second-user-vs-ours", uid=NOBODY)
+    read = [p for p in out["readable"] if not p.startswith("listed ")]
+    listed = [p for p in out["readable"] if p.startswith("listed ")]
+    t.check(out["readable"] == [], out["readable"])
+    t.check(out["denied"] == len(files) >= 10, f"{out['denied']} of {len(files)} files denied")
+    t.check(out["removed"] == [], out["removed"])
+    t.check(out["listed"] == [], out["listed"])  # it lists its own caches only (none left)
+    t.check(out["own_root"] != our_root and os.stat(out["own_root"]).st_uid == NOBODY, out["own_root"])
+    t.check(out["items_right"] == 4 and out["hits"] == 0, out)
+    t.check(tree_files(our_root) == before_shm and tree_files(cache_dir) == before_disk, "our files changed")
+    changed = tree_changes(state, our_state())
+    stale_kept = os.path.isdir(stale)
+    t.check(stale_kept, "its joins reclaimed our stale cache")  # its joins never reclaimed our stale cache...
+    ours_right = sum(item_problem(ds._cache[i], i) is None for i in range(4))
+    t.check(ours_right == 4, f"{ours_right} of 4 of our entries still right")
     probe = SharedMemoryStore("probe", 1, shm_dir=shm_dir)  # ...ours do
     probe.release()
-    assert not os.path.exists(stale)
+    t.check(not os.path.exists(stale), "our join did not reclaim our stale cache")
     ds.release()
-    record("permissions/second-user-vs-ours", uid=NOBODY, files_denied=out["denied"], files_read=0,
-           caches_removed=0, failures=0)
+    t.record(files_tried=len(files), files_denied=out["denied"], files_read=len(read), dirs_listed=len(listed),
+             caches_removed=len(out["removed"]) + (not stale_kept), our_paths_changed=len(changed),
+             our_entries_right=ours_right)
+    t.assert_clean("files_read", "dirs_listed", "caches_removed", "our_paths_changed")
 
 
 # ----------------------------------------------------------------------------- another user: theirs
@@ -235,14 +249,18 @@ def test_we_never_read_or_remove_another_users_caches(public_shm_dir):
     theirs = os.path.join(shm_dir, f"monai_cache-{NOBODY}")
     assert os.path.isdir(os.path.join(theirs, "theirs")), "the uid 65534 process did not leave its cache"
     snapshot = tree_files(theirs)
+    state = tree_state(theirs)
+    t = Tally("permissions/ours-vs-second-user", uid=NOBODY)
     # our joins reclaim stale caches, our CLI clears everything: of ours only
     ours = SharedMemoryStore("ours", 1, shm_dir=shm_dir)
     ours.release()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert monai_cache.cli.main(["clear", "--all", "--shm-dir", shm_dir]) == 0
-    assert all(c["path"].startswith(cache_root(shm_dir)) for c in list_caches(shm_dir))
-    assert tree_files(theirs) == snapshot
+        t.check(monai_cache.cli.main(["clear", "--all", "--shm-dir", shm_dir]) == 0, "clear --all failed")
+    listed = list_caches(shm_dir)
+    t.check(all(c["path"].startswith(cache_root(shm_dir)) for c in listed), listed)
+    t.check(tree_files(theirs) == snapshot, "their files changed")
+    touched = tree_changes(state, tree_state(theirs))
     # a directory of theirs under *our* name: refused, with a message that says what to do; left alone
     ours_name = cache_root(shm_dir, create=False)
     remove_cache("ours", shm_dir)
@@ -251,14 +269,23 @@ def test_we_never_read_or_remove_another_users_caches(public_shm_dir):
     os.rmdir(ours_name)
     os.mkdir(ours_name, 0o777)
     os.chown(ours_name, NOBODY, NOBODY)
-    with pytest.raises(PermissionError, match="Remove it, or choose another shm_dir"):
+    theirs_under_our_name = tree_state(ours_name)
+    try:
         CacheDataset(data_list(2), MakeItem(), runtime_cache=True, cache_key="x", progress=False, shm_dir=shm_dir)
+        refusal = None
+    except Exception as e:
+        refusal = e
+    t.check(isinstance(refusal, PermissionError) and "Remove it, or choose another shm_dir" in str(refusal),
+            f"their directory under our name: {refusal!r}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with contextlib.suppress(PermissionError):
             monai_cache.cli.main(["clear", "--all", "--shm-dir", shm_dir])
-    assert os.path.isdir(ours_name) and os.stat(ours_name).st_uid == NOBODY
-    record("permissions/ours-vs-second-user", uid=NOBODY, their_files_touched=0, failures=0)
+    kept = os.path.isdir(ours_name) and os.stat(ours_name).st_uid == NOBODY
+    t.check(kept, "their directory under our name was removed or taken over")
+    touched += tree_changes(theirs_under_our_name, tree_state(ours_name)) + ([] if kept else [ours_name])
+    t.record(their_paths_touched=len(touched))
+    t.assert_clean("their_paths_touched")
 
 
 def _as_nobody_plant(root: str, keys: list[str]) -> dict:
@@ -309,24 +336,24 @@ def test_cache_directories_planted_by_another_user_in_our_root_are_not_read(publ
 
     (Found by this suite: they were joined and served; fixed in 0a94e99, which refuses them.)
     """
-    plant_in_our_root(public_shm_dir)
-    served, refused = [], []
+    planted, _ = plant_in_our_root(public_shm_dir)
+    t = Tally("permissions/planted-by-second-user-in-our-root", "served", "refused", uid=NOBODY)
     for name in ("kept", "not-kept"):
         try:
             ds = build_named(public_shm_dir, name)  # (cache_root chmods the root back to 0700 first)
         except PermissionError as e:
-            assert "Remove it, or choose another shm_dir" in str(e)
-            refused.append(name)
+            t.check("Remove it, or choose another shm_dir" in str(e), f"{name}: {e}")
+            t.add("refused")
             continue
         try:
             got = ds[0]
-            if "planted" in got or item_problem(got, 0, 64) is not None:
-                served.append(name)
+            served = "planted" in got or item_problem(got, 0, 64) is not None
+            t.add("served", served)
+            t.check(not served, f"served another user's planted entries: {name}")
         finally:
             ds.release()
-    assert served == [], f"served another user's planted entries: {served}"
-    record("permissions/planted-by-second-user-in-our-root", uid=NOBODY, planted=2, served=0, refused=len(refused),
-           failures=0)
+    t.record(planted=len(planted))
+    t.assert_clean("served")
 
 
 @needs_root

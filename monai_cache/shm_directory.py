@@ -1,0 +1,768 @@
+"""A shared-memory cache on disk: the directory of one cache in ``/dev/shm``, its files, and its lifetime.
+
+Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md describes it in full)::
+
+    root/monai_cache-<uid>/            mode 0700, owned by the user: nobody else can read or plant entries
+        .lock                          flock'ed while a process joins or leaves a cache (short)
+        <key>/                         one directory per dataset fingerprint
+            lease                      every process using the cache holds a shared flock on it
+            keep                       present when the cache is to outlive its users (keep_warm=True)
+            disk_tier                  the disk cache directory behind this cache, if any (one line)
+            stats                      4 KiB of shared counters (runtime.SharedCounters)
+            locks                      byte i is OFD-locked while someone computes entry i
+            index                      a 32-byte slot per entry: where it lives, its tag and checksum
+            s.<n>                      a segment: small entries (under STANDALONE_MIN) one after another
+            <i>.e                      entry i when it is STANDALONE_MIN bytes or larger (any size in a store
+                                       made with pack=False): a file of its own
+            window.<pid>.<token>       a SmartCacheDataset's window (monai_cache.shm_window)
+            .e<i>.<host>.<pid>.w<n>.tmp  a large entry being written; renamed to <i>.e when complete
+
+:class:`CacheDirectory` is one process's handle on one such directory (one per process and cache, shared by
+the stores of the process through :func:`acquire` and :func:`release`): its index slots, segments and entry
+files, its counters, and its lease. :func:`list_caches` and :func:`remove_cache` serve the command line.
+
+Lifetime: each process using a cache holds a shared ``flock`` on its lease file; the kernel drops it when the
+process dies. The last process to leave normally removes the cache. A cache whose lease nobody holds is stale
+(its users crashed) and is reclaimed by the next process that joins any cache, unless it is kept.
+
+Why plain files and not ``multiprocessing.shared_memory``: on Linux POSIX shared memory *is* a tmpfs file,
+and Python 3.11's ``SharedMemory`` registers every segment with a resource tracker that unlinks it when any
+independently started process that attached to it exits (torchrun ranks are such processes). Files we open
+and ``mmap`` ourselves are not tracked, so nothing deletes entries under other processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import shutil
+import stat
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from monai_cache.runtime import (
+    COUNTERS,
+    SharedCounters,
+    fallocate,
+    read_counters,
+    register,
+    sweep_temp_files,
+    temp_name,
+    write_all,
+)
+
+__all__ = [
+    "ENV_SHM_DIR",
+    "FIELDS",
+    "SEGMENT_SIZE",
+    "STANDALONE_MIN",
+    "CacheDirectory",
+    "Slot",
+    "acquire",
+    "cache_root",
+    "caches_in_front_of",
+    "default_shm_dir",
+    "list_caches",
+    "release",
+    "remove_cache",
+    "verify",
+]
+
+ENV_SHM_DIR = "MONAI_CACHE_SHM_DIR"
+STANDALONE_MIN = 1 << 20
+"""Entries of this many bytes or more get a file of their own (zero-copy mappings, page rounding negligible);
+smaller ones are packed one after another into segment files, so a 16 KiB item costs 16 KiB."""
+SEGMENT_SIZE = 64 << 20
+STANDALONE = 0xFFFFFFFF  # the segment number of an entry that is a file of its own
+FIELDS = (*COUNTERS, "entries", "bytes", "segments")
+"""The shared counters of a cache: every store's, plus what it holds and how many segments it has made."""
+MAGIC = 0x4D43535433  # "MCST3": this layout (32-byte index slots, runtime.SharedCounters stats)
+FLAG_WARNED_FULL = 1
+FLAG_WARNED_UNSUPPORTED = 2
+# segment, tag (CRC-32 of the entry's size, checksums and number), byte offset, length, reserved, CRC-32 of the slot
+_SLOT = struct.Struct("<IIQQII")
+SLOT_SIZE = _SLOT.size
+_EMPTY_SLOT = bytes(_SLOT.size)
+_ENTRY_SUFFIX = ".e"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
+
+
+class Slot(NamedTuple):
+    """Where entry ``i`` lives, as its index slot says."""
+
+    segment: int
+    """The segment number, or :data:`STANDALONE` for a file of its own."""
+    offset: int
+    length: int
+    tag: int
+    """Binds the slot to the blob it points at (:func:`entry_tag`)."""
+
+
+class _Corrupt:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CORRUPT"
+
+
+CORRUPT = _Corrupt()
+"""What :meth:`CacheDirectory.read_slot` returns for a damaged slot."""
+
+
+def entry_tag(identity: bytes | memoryview, i: int) -> int:
+    """The tag of entry ``i`` whose blob has ``identity`` (:func:`monai_cache.codec.blob_identity`): a slot
+    copied from another entry, or pointing at other data, does not match."""
+    return zlib.crc32(i.to_bytes(8, "little"), zlib.crc32(identity))
+
+
+def default_shm_dir() -> str:
+    """``$MONAI_CACHE_SHM_DIR`` if set, else ``/dev/shm``."""
+    return os.environ.get(ENV_SHM_DIR) or "/dev/shm"
+
+
+def cache_root(shm_dir: str | None = None, create: bool = True) -> str:
+    """The per-user directory holding this user's caches, created with mode 0700.
+
+    Args:
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+        create: create the per-user directory if it is missing.
+
+    Raises:
+        PermissionError: if it exists but belongs to another user or is not a directory (someone may be
+            trying to plant entries); remove it or choose another ``shm_dir``.
+        FileNotFoundError: if ``shm_dir`` does not exist.
+        NotADirectoryError: if ``shm_dir`` is not a directory.
+    """
+    base = shm_dir or default_shm_dir()
+    if not os.path.isdir(base):
+        what = "is not a directory" if os.path.exists(base) else "does not exist"
+        error = NotADirectoryError if os.path.exists(base) else FileNotFoundError
+        raise error(
+            f"shared-memory directory {base!r} {what}. Pass shm_dir=... (or set ${ENV_SHM_DIR}) to a "
+            "tmpfs directory, or shared_memory=False to keep MONAI's in-process cache."
+        )
+    root = os.path.join(base, f"monai_cache-{os.getuid()}")
+    if create:
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return root
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{root} is not a directory owned by uid {os.getuid()}; monai_cache will not use it. "
+            "Remove it, or choose another shm_dir."
+        )
+    if st.st_mode & 0o077:
+        os.chmod(root, 0o700)
+    return root
+
+
+# ------------------------------------------------------------------------------------------- the root lock
+_held = threading.local()  # how deep this thread is in the registry lock or the root lock
+_deferred: list[CacheDirectory] = []
+
+
+class _RootLock:
+    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, ".lock")
+
+    def __enter__(self) -> _RootLock:
+        _enter_critical()
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            _exit_critical()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+        _exit_critical()
+
+
+def _try_exclusive(lease_path: str, create: bool = True) -> int | None:
+    """Open the lease file and try to lock it exclusively; the fd if nobody holds it, else None."""
+    try:
+        fd = os.open(lease_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_trash_numbers = itertools.count()
+
+
+def _remove_dir(path: str) -> None:
+    """Remove a cache directory: rename it away first so no reader sees it half-deleted."""
+    trash = f"{os.path.dirname(path)}/.trash.{os.getpid()}.{next(_trash_numbers)}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _owned_directory(path: str) -> bool:
+    """Whether ``path`` is a real directory (not a link) owned by this user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
+    """Remove caches nobody holds a lease on (their users crashed), except kept ones. Caller holds the root lock."""
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not _owned_directory(path):
+            continue  # not ours (planted by another user, or not a directory): never removed
+        if name.startswith(".trash."):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if name.startswith(".") or path == skip:
+            continue
+        if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
+            continue  # kept on purpose, or not one of our caches
+        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
+        if fd is None:
+            continue
+        try:
+            _remove_dir(path)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _touch_private(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------- a cache
+class CacheDirectory:
+    """One process's handle on one cache directory: its lease, counters, index slots, segments and entry files.
+
+    Made by :func:`acquire` (one per process and cache, reference counted); joining takes a shared lease under
+    the root lock, reclaiming stale caches and starting a stale or foreign copy of this one afresh.
+
+    Args:
+        root: the per-user root (:func:`cache_root`).
+        key: the cache's name.
+        keep: keep the cache after its last user leaves (``keep_warm``).
+    """
+
+    def __init__(self, root: str, key: str, keep: bool) -> None:
+        self.root = root
+        self.key = key
+        self.path = os.path.join(root, key)
+        self.refs = 0
+        self.owner_pid = os.getpid()
+        self.lease_fd = -1
+        self._join(keep)
+        self.counters = SharedCounters(FIELDS, os.path.join(self.path, "stats"), MAGIC)
+        self._sweep_dead_writers()
+        self.locks_path = os.path.join(self.path, "locks")
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.index_fd = os.open(os.path.join(self.path, "index"), flags, 0o600)
+        self._segment_fds: dict[int, int] = {}  # read-only descriptors, one per segment (not per entry)
+        self._append_lock = threading.Lock()
+        self._writer: tuple[int, int, int] | None = None  # (pid, segment number, fd) being appended to
+        self._write_pos = 0
+        register(self, exit_order=1)  # after the disk stores have flushed (a tier may read from here)
+
+    # -- the index --
+    def read_slot(self, i: int) -> Slot | _Corrupt | None:
+        """Entry ``i``'s slot, ``None`` if empty, :data:`CORRUPT` if damaged (its CRC binds it to ``i``)."""
+        raw = os.pread(self.index_fd, SLOT_SIZE, SLOT_SIZE * i)
+        if len(raw) < SLOT_SIZE or raw == _EMPTY_SLOT:
+            return None
+        seg, tag, offset, length, _reserved, check = _SLOT.unpack(raw)
+        if check != zlib.crc32(i.to_bytes(8, "little"), zlib.crc32(memoryview(raw)[: SLOT_SIZE - 4])):
+            return CORRUPT
+        return Slot(seg, offset, length, tag)
+
+    def write_slot(self, i: int, slot: Slot) -> None:
+        """Publish entry ``i``: its data must be complete before this is called."""
+        head = _SLOT.pack(slot.segment, slot.tag, slot.offset, slot.length, 0, 0)[:-4]
+        os.pwrite(self.index_fd, head + struct.pack("<I", zlib.crc32(head + i.to_bytes(8, "little"))), SLOT_SIZE * i)
+
+    def unpublish(self, i: int, slot: Slot | _Corrupt) -> None:
+        """Remove entry ``i``, whose slot was ``slot`` (the caller holds its lock): clear the slot, remove its file
+        if it has one (a packed entry's bytes stay in the segment until the cache goes), count it gone."""
+        os.pwrite(self.index_fd, _EMPTY_SLOT, SLOT_SIZE * i)
+        if isinstance(slot, Slot) and slot.segment == STANDALONE:
+            _unlink_quiet(self.entry_path(i))
+            self.counters.add({"bytes": -slot.length})
+        self.counters.add({"entries": -1})
+
+    def empty_slots(self, n: int) -> list[int]:
+        """Indices of the entries of ``range(n)`` not published (one read of the whole index)."""
+        raw = os.pread(self.index_fd, SLOT_SIZE * n, 0)
+        raw += bytes(SLOT_SIZE * n - len(raw))
+        return [i for i in range(n) if raw[SLOT_SIZE * i : SLOT_SIZE * (i + 1)] == _EMPTY_SLOT]
+
+    def removed(self) -> bool:
+        """Whether this cache was removed while in use (its index file was unlinked)."""
+        try:
+            return os.fstat(self.index_fd).st_nlink == 0
+        except OSError:
+            return True
+
+    # -- entries' bytes --
+    def entry_path(self, i: int) -> str:
+        """The file of entry ``i`` when it is a file of its own."""
+        return f"{self.path}/{i}{_ENTRY_SUFFIX}"
+
+    def segment_fd(self, seg: int) -> int:
+        """A read-only descriptor of segment ``seg`` (opened once per process)."""
+        fd = self._segment_fds.get(seg)
+        if fd is None:
+            fd = os.open(f"{self.path}/s.{seg}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            with self._append_lock:
+                if seg in self._segment_fds:  # another thread opened it meanwhile
+                    os.close(fd)
+                    fd = self._segment_fds[seg]
+                else:
+                    self._segment_fds[seg] = fd
+        return fd
+
+    def append(self, chunks: Iterator[Any], size: int) -> tuple[int, int]:
+        """Write a small entry's ``size`` bytes into this process's segment; returns ``(segment, offset)``.
+
+        Raises:
+            OSError: no space (ENOSPC) or the cache was removed (ENOENT).
+        """
+        with self._append_lock:
+            w = self._writer
+            if w is None or w[0] != os.getpid() or self._write_pos + size > SEGMENT_SIZE:
+                if w is not None and w[0] == os.getpid():
+                    os.close(w[2])
+                seg = self.counters.add({"segments": 1})["segments"]
+                fd = os.open(
+                    f"{self.path}/s.{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+                )
+                w = self._writer = (os.getpid(), seg, fd)
+                self._write_pos = 0
+            offset = self._write_pos
+            self._write_pos += (size + 63) // 64 * 64
+        fallocate(w[2], offset, size)
+        write_all(w[2], chunks, offset)
+        return w[1], offset
+
+    def write_entry_file(self, i: int, chunks: Iterator[Any], size: int) -> None:
+        """Write a large entry to a temporary file of its own and rename it to ``<i>.e`` once complete.
+
+        Raises:
+            OSError: no space (ENOSPC) or the cache was removed (ENOENT); nothing is left behind.
+        """
+        tmp = os.path.join(self.path, temp_name(f"e{i}"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                fallocate(fd, 0, size)
+                write_all(fd, chunks, 0)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.entry_path(i))
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+
+    def record_disk_tier(self, directory: str) -> None:
+        """Record the disk cache directory behind this cache (shown and cleared with it by the command line)."""
+        path = os.path.join(self.path, "disk_tier")
+        text = os.path.abspath(directory) + "\n"
+        if disk_tier_of(self.path) == text.strip():
+            return
+        tmp = os.path.join(self.path, temp_name("disk_tier"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+    def space_left(self, reserve: int | None) -> tuple[int, int]:
+        """``(bytes that may still be used, bytes free)`` on the tmpfs, leaving ``reserve`` (default: the smaller
+        of 512 MiB and a quarter of its size) for others: DataLoader workers pass batches through it."""
+        st = os.statvfs(self.path)
+        total = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        return free - (reserve if reserve is not None else min(512 << 20, total // 4)), free
+
+    # -- joining and leaving --
+    def _join(self, keep: bool) -> None:
+        with _RootLock(self.root):
+            _reclaim_stale(self.root, skip=self.path)
+            try:
+                os.mkdir(self.path, 0o700)
+                fresh = True
+            except FileExistsError:
+                fresh = False
+            st = os.lstat(self.path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # planted by someone else
+                raise PermissionError(
+                    f"{self.path} is not a directory owned by uid {os.getuid()}; monai_cache will not use it. "
+                    "Remove it, or choose another shm_dir."
+                )
+            lease_path = os.path.join(self.path, "lease")
+            stats_path = os.path.join(self.path, "stats")
+            fd = _try_exclusive(lease_path)
+            found = None if fresh else read_counters(stats_path, FIELDS)
+            magic = None if found is None else found[0]
+            other_layout = magic not in (None, 0, MAGIC)  # kept by another version of monai_cache
+            if other_layout and fd is None:
+                raise RuntimeError(
+                    f"the shared-memory cache {self.path} is in use by another version of monai_cache; "
+                    "use the same version in every process, or another cache_key / shm_dir"
+                )
+            wiped = False
+            if fd is not None and not fresh and (other_layout or not os.path.exists(os.path.join(self.path, "keep"))):
+                # Nobody holds a lease: left over by processes that crashed (or kept by another version, whose
+                # entries this version cannot read). Start it afresh.
+                for name in os.listdir(self.path):
+                    if name != "lease":
+                        _unlink_quiet(os.path.join(self.path, name))
+                wiped = True
+            if fd is None:
+                fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
+            self.lease_fd = fd
+            if keep:
+                _touch_private(os.path.join(self.path, "keep"))
+            if fresh or wiped or magic != MAGIC:
+                fresh_counters = SharedCounters(FIELDS, stats_path, MAGIC)
+                fresh_counters.reset()
+                fresh_counters.close()
+
+    def _sweep_dead_writers(self) -> None:
+        """Remove the partial entries of writers killed while writing: they hold shared memory and budget.
+
+        Each joining process sweeps, so a live cache (a restarted worker or rank) and a kept one (the next
+        run) both get them back. A temporary file names its writer's pid; a live writer's is never touched.
+        """
+        freed = sum(size for _path, size in sweep_temp_files(self.path))  # fallocated to its full size first
+        if freed:
+            self.counters.add({"bytes": -freed})
+
+    def close_files(self) -> None:
+        """Close this process's descriptors of the cache (its counts stay in the counters)."""
+        for fd in [self.index_fd, *self._segment_fds.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._writer is not None and self._writer[0] == os.getpid():
+            os.close(self._writer[2])
+        self.index_fd = -1
+        self._segment_fds = {}
+        self._writer = None
+
+    def leave(self) -> bool:
+        """Drop this process's lease; remove the cache if nobody else holds one. True if removed."""
+        if self.lease_fd < 0 or os.getpid() != self.owner_pid:
+            return False
+        if not os.path.isdir(self.path):  # removed under us (monai-cache clear --all): free what we still hold
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+            self.counters.close()  # the removed files' memory is freed when their last descriptor and map go
+            self.close_files()
+            return False
+        with _RootLock(self.root):
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+            if os.path.exists(os.path.join(self.path, "keep")):
+                self.close_files()
+                return False
+            fd = _try_exclusive(os.path.join(self.path, "lease"))
+            if fd is None:
+                self.close_files()
+                return False
+            try:
+                self.counters.close()
+                self.close_files()
+                _remove_dir(self.path)
+                return True
+            finally:
+                os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        # The child shares the parent's lease (the open file description): drop our reference so that the
+        # parent alone decides when the lease ends. Children never leave.
+        if self.lease_fd >= 0:
+            os.close(self.lease_fd)
+            self.lease_fd = -1
+        self._append_lock = threading.Lock()  # a lock held by another thread at fork time stays held
+        self._writer = None  # never append to the parent's segment: start our own on the first write
+
+    def _at_exit(self) -> None:
+        self.leave()
+
+
+# ------------------------------------------------------------------------------------ the process registry
+# One CacheDirectory per cache path and process, shared by every store of the process.
+_registry: dict[str, CacheDirectory] = {}
+_registry_lock = threading.Lock()
+# A dataset garbage-collected while its thread holds the registry lock or the root lock (the collector runs
+# finalizers at any allocation) must not release its cache there: both locks would be taken again by the
+# same thread and never granted. Such releases wait in _deferred until the thread leaves the last of them.
+
+
+def _enter_critical() -> None:
+    _held.depth = getattr(_held, "depth", 0) + 1
+
+
+def _exit_critical() -> None:
+    _held.depth -= 1
+    while _held.depth == 0 and _deferred:
+        try:
+            d = _deferred.pop()
+        except IndexError:  # another thread took the last one
+            break
+        release(d)
+
+
+def acquire(root: str, key: str, keep: bool) -> CacheDirectory:
+    """This process's handle on cache ``key`` (joined now if this process has none), with one more reference.
+
+    Args:
+        root: the per-user root (:func:`cache_root`).
+        key: the cache's name.
+        keep: keep the cache after its last user leaves.
+    """
+    path = os.path.join(root, key)
+    _enter_critical()
+    try:
+        with _registry_lock:
+            d = _registry.get(path)
+            if d is None or d.owner_pid != os.getpid():  # none yet, or inherited through fork without a lease
+                d = CacheDirectory(root, key, keep)
+                _registry[path] = d
+            elif keep:
+                _touch_private(os.path.join(d.path, "keep"))
+            d.refs += 1
+            return d
+    finally:
+        _exit_critical()
+
+
+def release(d: CacheDirectory) -> None:
+    """Give back one reference to ``d``; the last one leaves the cache (which removes it if nobody else uses it)."""
+    if getattr(_held, "depth", 0):  # called by a finalizer inside a critical section: later
+        _deferred.append(d)
+        return
+    _enter_critical()
+    try:
+        with _registry_lock:
+            d.refs -= 1
+            if d.refs > 0:
+                return
+            if _registry.get(d.path) is d:
+                del _registry[d.path]
+    finally:
+        _exit_critical()
+    d.leave()
+
+
+def release_in_owner(d: CacheDirectory, pid: int) -> None:
+    """A store's finalizer: give its reference to ``d`` back, in the process that took it (not in a fork)."""
+    if os.getpid() == pid:
+        release(d)
+
+
+def _after_fork_in_child() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _held.depth = 0
+    _deferred.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ------------------------------------------------------------------------------------ the command line's
+def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
+    """Describe this user's shared-memory caches.
+
+    Args:
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+
+    Returns:
+        one dict per cache: ``key``, ``path``, ``bytes`` (allocated), ``entries``, ``hits``, ``misses``,
+        ``state`` (``live``, ``kept`` or ``stale``), ``ours`` (its counters have this version's layout) and
+        ``disk_tier`` (the disk cache directory behind it, or None).
+    """
+    root = cache_root(shm_dir, create=False)
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(path) or not os.path.exists(os.path.join(path, "stats")):
+            continue  # not one of our caches
+        try:
+            # The probe takes the lease exclusively for an instant: under the root lock, so that a last user
+            # leaving at that moment (it probes under the same lock) never mistakes us for another user.
+            with _RootLock(root):
+                fd = _try_exclusive(os.path.join(path, "lease"), create=False)
+                live = fd is None and os.path.exists(os.path.join(path, "lease"))
+                if fd is not None:
+                    os.close(fd)
+            found = read_counters(os.path.join(path, "stats"), FIELDS)
+            with os.scandir(path) as it:
+                nbytes = sum(_blocks_of(e) for e in it)
+        except FileNotFoundError:  # removed while we looked (its last user left): not a cache any more
+            continue
+        magic, counts = found if found is not None else (None, {})
+        out.append(
+            {
+                "key": name,
+                "path": path,
+                "bytes": nbytes,
+                "entries": counts.get("entries", 0),
+                "hits": counts.get("hits", 0),
+                "misses": counts.get("misses", 0),
+                "state": "live" if live else ("kept" if os.path.exists(os.path.join(path, "keep")) else "stale"),
+                "ours": magic == MAGIC,
+                "disk_tier": disk_tier_of(path),
+            }
+        )
+    return out
+
+
+def disk_tier_of(path: str) -> str | None:
+    """The disk cache directory recorded behind the cache at ``path``, or None."""
+    try:
+        with open(os.path.join(path, "disk_tier")) as f:
+            return f.read(4096).strip() or None
+    except OSError:
+        return None
+
+
+def caches_in_front_of(directory: str, shm_dir: str | None = None) -> list[dict[str, Any]]:
+    """The shared-memory caches whose disk tier is ``directory`` (as :func:`list_caches` describes them).
+
+    Args:
+        directory: a disk cache directory.
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+    """
+    target = os.path.abspath(directory)
+    try:
+        return [c for c in list_caches(shm_dir) if c["disk_tier"] == target]
+    except (FileNotFoundError, NotADirectoryError, PermissionError):  # no shared memory here: no tier
+        return []
+
+
+def verify(path: str, allow_pickle: bool = False) -> dict[str, Any]:
+    """Read and check every published entry of the cache at ``path`` without joining it: its index slot
+    (checksum), the bytes it points at (the tag binds them to the slot), and their decoding.
+
+    Args:
+        path: a cache directory (``list_caches()[i]["path"]``).
+        allow_pickle: decode pickled values too; without it their entries are checked but not decoded.
+
+    Returns:
+        ``{"path", "checked", "ok", "bad": [{"entry", "error"}], "not_decoded"}``.
+    """
+    from monai_cache import codec  # torch: only when asked to decode
+
+    ok = not_decoded = 0
+    bad: list[dict[str, Any]] = []
+    try:
+        with open(os.path.join(path, "index"), "rb") as f:
+            index = f.read()
+    except FileNotFoundError:
+        index = b""
+    segments: dict[int, memoryview] = {}  # writable copies: decoded tensors may be written into
+    for i in range(len(index) // SLOT_SIZE):
+        raw = index[SLOT_SIZE * i : SLOT_SIZE * (i + 1)]
+        if raw == _EMPTY_SLOT:
+            continue
+        seg, tag, offset, length, _reserved, check = _SLOT.unpack(raw)
+        try:
+            if check != zlib.crc32(raw[: SLOT_SIZE - 4] + i.to_bytes(8, "little")):
+                raise codec.CorruptEntryError("damaged index slot")
+            if seg == STANDALONE:
+                with open(f"{path}/{i}{_ENTRY_SUFFIX}", "rb") as f:
+                    blob = memoryview(bytearray(f.read()))
+            else:
+                if seg not in segments:
+                    with open(f"{path}/s.{seg}", "rb") as f:
+                        segments[seg] = memoryview(bytearray(f.read()))
+                blob = segments[seg][offset : offset + length]
+            if len(blob) != length or entry_tag(codec.blob_identity(blob), i) != tag:
+                raise codec.CorruptEntryError("the slot points at data that is not this entry's")
+            codec.decode(blob, allow_pickle=allow_pickle, verify=True)
+            ok += 1
+        except codec.CorruptEntryError as e:
+            if not allow_pickle and "allow_pickle" in str(e):
+                not_decoded += 1
+                ok += 1
+                continue
+            bad.append({"entry": i, "error": str(e)})
+        except OSError as e:
+            bad.append({"entry": i, "error": f"cannot read: {e.strerror or e}"})
+    return {"path": path, "checked": ok + len(bad), "ok": ok, "bad": bad, "not_decoded": not_decoded}
+
+
+def _blocks_of(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_blocks * 512 if entry.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:  # removed since the directory was listed
+        return 0
+
+
+def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> bool:
+    """Remove one cache: stale or kept ones always, live ones only with ``force``. True if removed.
+
+    Args:
+        key: the cache's name (a directory of the per-user root).
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+        force: remove it even while processes use it (they compute what they read from then on).
+    """
+    root = cache_root(shm_dir, create=False)
+    path = os.path.join(root, key)
+    if "/" in key or key.startswith(".") or not _owned_directory(path):
+        return False  # not a cache of ours
+    if not os.path.exists(os.path.join(path, "stats")):
+        return False
+    with _RootLock(root):
+        lease = os.path.join(path, "lease")
+        fd = _try_exclusive(lease, create=False)
+        if fd is None and os.path.exists(lease) and not force:
+            return False  # live
+        try:
+            _remove_dir(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return True

@@ -1,0 +1,57 @@
+"""One rank of a gloo job started without LOCAL_WORLD_SIZE (as Lightning, srun or mpirun start ranks).
+
+Usage: python node_layout_worker.py OUT_DIR. ``shard_by="node"`` then has to find the ranks of each machine
+by gathering their identities (the host name, or ``MONAI_CACHE_NODE_ID`` when the test simulates machines).
+Writes ``OUT_DIR/rank{RANK}.json``: the layout found and the indices of a few epochs, or the error raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from monai_cache.sampler import ShardedDistributedSampler
+
+N_ITEMS = 23
+EPOCHS = 3
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    assert "LOCAL_WORLD_SIZE" not in os.environ, "this worker checks the launchers that do not set it"
+    # a short timeout: a collective that only some ranks start fails the test instead of hanging it
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    result: dict = {"rank": rank, "world": world}
+    # num_replicas / rank that differ from the process group's: no gather may start (rank 0 alone tries)
+    if rank == 0:
+        try:
+            ShardedDistributedSampler(range(10), num_replicas=world + 1, rank=0, shard_by="node")
+            result["mismatch_error"] = None
+        except ValueError as e:
+            result["mismatch_error"] = str(e)
+    dist.barrier()
+    try:
+        sampler = ShardedDistributedSampler(range(N_ITEMS), seed=1, shard_by="node")  # every rank: one all-gather
+    except ValueError as e:
+        result["error"] = str(e)
+    else:
+        result["layout"] = [sampler.local_world_size, sampler.node_rank, sampler.local_rank]
+        result["epochs"] = [sampler.indices_for_epoch(e) for e in range(EPOCHS)]
+        # later samplers reuse the gathered layout: the last rank alone builds one (a second all-gather,
+        # started by one rank only, would time out)
+        if rank == world - 1:
+            second = ShardedDistributedSampler(range(7), shuffle=False, shard_by="node")
+            result["second_layout"] = second.local_world_size
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Two tiers: a node-wide shared-memory cache in front of a disk cache, from either entry point.
+
+``PersistentDataset(..., shm_cache=True)`` keeps a shared-memory copy in front of its disk cache;
+``CacheDataset(..., cache_dir=DIR)`` keeps its shared-memory entries on disk too. Real /dev/shm, real files,
+independent processes; a "node" of a cluster is simulated by a process group with a shared-memory directory and a
+machine identity of its own (``MONAI_CACHE_NODE_ID``, which names the files a machine writes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+
+import pytest
+import torch
+from helpers import chain, one_torch_thread, read_calls  # noqa: F401 (an autouse fixture)
+
+import monai_cache
+from monai_cache import disk_format, shm_directory
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+NODE_SCRIPT = os.path.join(TESTS, "_scripts", "tier_node.py")
+
+
+def same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def run_independent(code: str) -> str:
+    """Run ``code`` in a fresh, independently started interpreter (as another rank or a later run would)."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("kind", ["pd", "cd"])
+def test_warm_restart_fills_shared_memory_from_disk_and_never_reads_the_disk_again(shm_dir, volumes, tmp_path, kind):
+    log, cache_dir = str(tmp_path / "calls"), str(tmp_path / "cache")
+    build = f"""
+        import json, os, sys
+        sys.path.insert(0, {TESTS!r})
+        import monai_cache
+        from helpers import chain
+        data, transform = {volumes!r}, chain({log!r}, crop=False)
+        if {kind!r} == "pd":
+            ds = monai_cache.PersistentDataset(data, transform, {cache_dir!r}, shm_cache=True)
+        else:
+            ds = monai_cache.CacheDataset(data, transform, runtime_cache=True, progress=False, cache_dir={cache_dir!r})
+    """
+    first = run_independent(build + """
+        sums = [float(ds[i]["image"].sum()) for i in range(len(data))]
+        ds.flush()
+        print(json.dumps(sums))
+    """)
+    assert len(read_calls(log)) == len(volumes)  # computed once, and written to disk
+    # A new run (the first one's shared memory is gone with it, as after a reboot): everything comes from disk.
+    assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
+    second = run_independent(build + """
+        first = [float(ds[i]["image"].sum()) for i in range(len(data))]
+        disk_reads = ds.cache_stats()["disk"]["total"]["bytes_read"]
+        for name in os.listdir({cache_dir!r}):  # the disk is not needed any more on this machine
+            os.unlink(os.path.join({cache_dir!r}, name))
+        again = [float(ds[i]["image"].sum()) for _ in range(2) for i in range(len(data))]
+        stats = ds.cache_stats()
+        print(json.dumps([first, again, disk_reads, stats["disk"]["total"]["bytes_read"], stats["total"]["hits"],
+                          stats["disk"]["total"]["hits"]]))
+    """.replace("{cache_dir!r}", repr(cache_dir)))
+    first_sums = json.loads(first.splitlines()[-1])
+    restart, again, disk_reads, disk_reads_after, memory_hits, disk_hits = json.loads(second.splitlines()[-1])
+    assert restart == first_sums and again == first_sums * 2
+    assert len(read_calls(log)) == len(volumes)  # the restart computed nothing
+    assert disk_hits == len(volumes) and disk_reads > 0  # each item read from disk once...
+    assert disk_reads_after == disk_reads  # ...and never again: every later read came from shared memory
+    assert memory_hits >= 2 * len(volumes)
+
+
+def test_both_entry_points_write_what_the_single_tier_stores_write(shm_dir, volumes, tmp_path):
+    """A tiered PersistentDataset leaves the disk entries a plain one reads (and vice versa); its shared-memory
+    entries are a SharedMemoryStore's, checked by `monai-cache verify` like any."""
+    cache_dir = str(tmp_path / "cache")
+    tiered = monai_cache.PersistentDataset(volumes, chain(crop=False), cache_dir, shm_cache=True, keep_warm=True)
+    items = [tiered[i] for i in range(len(volumes))]
+    tiered.flush()
+    plain = monai_cache.PersistentDataset(volumes, chain(crop=False), cache_dir)
+    for i, item in enumerate(items):
+        same(plain[i], item)
+    assert plain.cache_stats()["process"]["hits"] == len(volumes)
+    assert disk_format.verify(cache_dir)["ok"] == len(volumes)
+    (front,) = shm_directory.caches_in_front_of(cache_dir)
+    assert front["entries"] == len(volumes)
+    assert shm_directory.verify(front["path"])["ok"] == len(volumes)
+    tiered.release()
+    assert shm_directory.remove_cache(front["key"])  # kept: removed on request only
+
+
+def _fill_forever(volumes: list, cache_dir: str, large: int) -> None:
+    torch.set_num_threads(1)
+    from monai.transforms import Compose, MapTransform
+
+    class Big(MapTransform):  # a 1.2 MB noise volume besides the image: entries of both kinds in both tiers
+        def __call__(self, d):
+            d = dict(d)
+            d["noise"] = torch.rand(large, generator=torch.Generator().manual_seed(int(d["case"])))
+            return d
+
+    data = [dict(v, case=k) for k, v in enumerate(volumes * 8)]
+    ds = monai_cache.CacheDataset(data, Compose([*chain(crop=False).transforms, Big(keys="image")]),
+                                  runtime_cache=True, progress=False, keep_warm=True, cache_dir=cache_dir,
+                                  cache_key="tiers-killed")
+    while True:
+        for i in range(len(data)):
+            ds[i]
+        ds._cache.clear()  # write the shared-memory tier again, and again
+
+
+def test_sigkill_during_either_tiers_writes_leaves_nothing_a_reader_accepts_wrongly(shm_dir, volumes, tmp_path):
+    import multiprocessing
+
+    cache_dir, large = str(tmp_path / "cache"), 300_000
+    rng = random.Random(5)
+    for _ in range(6):
+        p = multiprocessing.get_context("fork").Process(target=_fill_forever, args=(volumes, cache_dir, large))
+        p.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+    # every disk entry a reader accepts is complete (a crash cannot leave another kind: no partial name)
+    checked = disk_format.verify(cache_dir)
+    assert checked["bad"] == [] and checked["ok"] >= 1, checked
+    # the kept shared-memory tier: every published entry is complete and right
+    (front,) = shm_directory.caches_in_front_of(cache_dir)
+    memory = shm_directory.verify(front["path"])
+    assert memory["bad"] == [], memory
+    data = [dict(v, case=k) for k, v in enumerate(volumes * 8)]
+    store = monai_cache.SharedMemoryStore(front["key"], len(data), keep_warm=True)
+    for i in range(len(data)):
+        got = store[i]
+        if got is not None:
+            expected = torch.rand(large, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(got["noise"], expected)
+    store.release()
+    assert shm_directory.remove_cache(front["key"], force=True)
+
+
+@pytest.mark.parametrize("kind", ["cd", "pd"])
+def test_two_nodes_sharing_one_cache_dir_compute_each_item_once_in_total(volumes, tmp_path, kind):
+    """2 simulated machines x 2 processes, each with its own /dev/shm directory and machine identity, read every
+    item at once from one shared cache_dir: each item is computed once in all, every read is right."""
+    data_path, log, cache_dir = tmp_path / "data.json", str(tmp_path / "calls"), str(tmp_path / "shared")
+    data_path.write_text(json.dumps(volumes))
+    procs, shm_dirs = [], []
+    for node in range(2):
+        shm = tmp_path / f"shm-node{node}"
+        shm_dir = f"/dev/shm/mc-tiers-{os.getpid()}-{node}-{kind}"
+        os.makedirs(shm_dir)
+        shm_dirs.append(shm_dir)
+        env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, MONAI_CACHE_NODE_ID=f"node{node}")
+        for rank in range(2):
+            seed = str(10 * node + rank)
+            procs.append(subprocess.Popen([sys.executable, NODE_SCRIPT, str(data_path), log, cache_dir, kind, seed],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        del shm
+    try:
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        calls = read_calls(log)
+        assert Counter(case for _, case in calls) == Counter(range(len(volumes))), calls  # once in all
+        reference = results[0]["sums"]
+        assert all(r["sums"] == reference for r in results)
+        # a node that did not compute an item read it from disk once, and its other process from its memory
+        assert sum(r["disk"]["hits"] for r in results) >= len(volumes)
+        packs = {n.split(".")[1] for n in os.listdir(cache_dir) if disk_format.is_pack_file(n)}
+        assert len(packs) <= 2  # the files of each machine carry its identity
+        for shm_dir in shm_dirs:  # each node's cache went with its last process
+            assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for shm_dir in shm_dirs:
+            subprocess.run(["rm", "-rf", shm_dir], check=False)
