@@ -24,6 +24,7 @@ _EXPORTS = {
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "DiskStore": "monai_cache.disk",
+    "BatchFallbackWarning": "monai_cache.errors",
     "CorruptEntryError": "monai_cache.errors",
     "UnsupportedValueError": "monai_cache.errors",
     "MonaiCacheWarning": "monai_cache.errors",
@@ -34,6 +35,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchFallbackWarning",
     "CacheDataset",
     "CacheFullWarning",
     "CacheNTransDataset",
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from monai_cache.dataset import CacheDataset
     from monai_cache.disk import DiskStore
     from monai_cache.errors import (
+        BatchFallbackWarning,
         CacheFullWarning,
         CacheUnavailableWarning,
         CorruptEntryError,

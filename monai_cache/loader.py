@@ -25,8 +25,9 @@ How it works:
   valid, pinned copies simply release it sooner.
 * **Bounds.** A worker that finds no free segment large enough makes a new one, up to
   :data:`MAX_SEGMENTS` per worker (batches alive in the main process at once); beyond that, and for a batch
-  holding a value the codec cannot store, the batch takes torch's ordinary path, with one warning per loader.
-  At most :data:`SPARE_SEGMENTS` free segments are kept per worker; the others are given back.
+  holding a value the codec cannot store, the batch takes torch's ordinary path, with one
+  :class:`~monai_cache.errors.BatchFallbackWarning` per loader. At most :data:`SPARE_SEGMENTS` free segments are
+  kept per worker; the others are given back.
 * **Across epochs.** Workers are new processes every epoch unless ``persistent_workers=True``. When they exit,
   the main process keeps their segments (a :class:`_Pool` per loader, at most ``num_workers x (prefetch_factor +
   1)``, including those whose batch the user still holds, which join once released) and hands them to the next
@@ -45,7 +46,6 @@ import mmap
 import os
 import secrets
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,7 +56,8 @@ from torch.utils.data import Dataset
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from monai_cache.codec import Encoded, UnsupportedValueError, decode, encode
+from monai_cache.codec import Encoded, decode, encode
+from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
 
 __all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader"]
 
@@ -269,7 +270,8 @@ class _BlockHandle:
 
 
 class _TorchPath:
-    """A batch sent torch's ordinary way; unpickles as the batch, warning once per loader why."""
+    """A batch sent torch's ordinary way; unpickles as the batch, warning once per loader why
+    (:class:`~monai_cache.errors.BatchFallbackWarning`)."""
 
     __slots__ = ("batch", "reason", "token")
 
@@ -458,7 +460,7 @@ def _receive_torch_path(batch: Any, reason: str, token: str) -> Any:
     kind = reason.split(":", 1)[0]
     if (token, kind) not in _warned:
         _warned.add((token, kind))
-        warnings.warn(f"monai_cache.DataLoader: {reason}", RuntimeWarning, stacklevel=2)
+        warn(f"DataLoader: {reason}", BatchFallbackWarning)
     return batch
 
 
@@ -522,7 +524,7 @@ class DataLoader(monai.data.DataLoader):
       (or a permutation of contiguous) rather than keeping the strides they had in the worker.
 
     A batch holding a value the codec cannot store (e.g. a ``set`` or a custom object) takes torch's ordinary
-    path, with one warning per loader.
+    path, with one :class:`~monai_cache.errors.BatchFallbackWarning` per loader.
 
     Args:
         dataset: dataset from which to load the data.

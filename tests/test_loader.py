@@ -26,10 +26,11 @@ from monai.data import decollate_batch, list_data_collate, pad_list_data_collate
 from monai.utils.enums import TraceKeys
 
 import monai_cache
+from monai_cache.errors import BatchFallbackWarning
 from monai_cache.loader import MAX_SEGMENTS, DataLoader
+from monai_cache.runtime import pid_alive
 from monai_cache.sampler import ShardedDistributedSampler
 from monai_cache.synthetic import make_dataset, tutorial_transforms
-from monai_cache.utils import pid_alive
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
 SHAPE = (40, 40, 24)
@@ -111,7 +112,7 @@ def test_batches_equal_monai_dataloader_and_come_as_blocks(dataset, collate):
     kwargs = {"batch_size": 2, "num_workers": 2, **({"collate_fn": collate} if collate else {})}
     theirs = epochs(monai.data.DataLoader, dataset, **kwargs)[0]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no batch fell back to torch's path
+        warnings.simplefilter("error", BatchFallbackWarning)  # no batch fell back to torch's path
         ours = epochs(DataLoader, dataset, **kwargs)[0]
     assert_batches_equal(ours, theirs)
     first = ours[0]["pair"][0] if collate is user_collate else ours[0]["image"]
@@ -252,14 +253,14 @@ def test_batches_the_codec_cannot_store_take_torch_path_with_one_warning():
     assert_batches_equal(
         ours, list(monai.data.DataLoader(WithSet(), batch_size=2, num_workers=0, collate_fn=keep_tags))
     )
-    ours_warnings = [str(w.message) for w in caught if "monai_cache" in str(w.message)]
+    ours_warnings = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
     assert len(ours_warnings) == 1 and "set" in ours_warnings[0], ours_warnings
     # more batches of one worker alive than it has segments for: the rest take torch's path, one warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = list(DataLoader(Tiny(), batch_size=1, num_workers=2, prefetch_factor=1))
     assert [float(b[0, 0]) for b in kept] == [float(i) for i in range(len(Tiny()))]
-    ours_warnings = [str(w.message) for w in caught if "monai_cache" in str(w.message)]
+    ours_warnings = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
     assert len(ours_warnings) == 1 and f"more than {MAX_SEGMENTS} batches" in ours_warnings[0], ours_warnings
     assert sum(in_block(b) for b in kept) == 2 * MAX_SEGMENTS
 
