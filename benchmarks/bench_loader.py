@@ -56,7 +56,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from launcher import run_ranks, tree_cpu_seconds
+from harness import median, run_ranks, tree_cpu_seconds
+
+from monai_cache.utils import format_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,16 +254,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
         for med in by_config.values():
             runs = med.pop("runs")
             for _title, key, _fmt in ROWS:
-                med[key] = statistics.median(r[key] for r in runs)
+                med[key] = median(r[key] for r in runs)
             med["repeats"] = len(runs)
     return out
 
 
-def format_table(by_config: dict[str, dict[str, Any]], markdown: bool) -> str:
+def table(by_config: dict[str, dict[str, Any]], markdown: bool) -> str:
     """Rows are figures, columns configurations; ``(x r)``: ratio against ``monai`` (``plain+ours``: against
     ``plain``)."""
     names = [n for n in CONFIGS if n in by_config]
-    header = ["", *names]
     body = []
     for title, key, fmt in ROWS:
         row = [title]
@@ -274,14 +275,7 @@ def format_table(by_config: dict[str, dict[str, Any]], markdown: bool) -> str:
                 cell += f" ({v / ref:.2f}x)"
             row.append(cell)
         body.append(row)
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(names)) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        for r in [header, *body]
-    )
+    return format_table([["", *names], *body], markdown=markdown)
 
 
 def paired_ratios(records: list[dict[str, Any]], setting: str, a: str, b: str, key: str) -> list[float]:
@@ -443,8 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for setting, by_config in summary.items():
         r, w = setting.split("x")
         title = f"{r} rank(s) x {w} worker(s)"
-        text += ["", title, format_table(by_config, markdown=False)]
-        md += [f"### {title}", "", format_table(by_config, markdown=True), ""]
+        text += ["", title, table(by_config, markdown=False)]
+        md += [f"### {title}", "", table(by_config, markdown=True), ""]
     checks = check_targets(summary, records)
     text += ["", "targets:"] + [f"  [{'ok' if ok else 'MISSED'}] {t}" for ok, t in checks]
     md += ["### Targets", ""] + [f"- {'ok' if ok else '**missed**'}: {t}" for ok, t in checks]
