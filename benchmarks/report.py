@@ -8,12 +8,14 @@ package): ``bench_cache.py`` (CacheDataset: time to first batch, epoch times, me
 (ShardedDistributedSampler: hit rate, epoch time) and ``bench_scale.py`` (many small items and one large
 item; ``--quick`` runs 2,000 items and no large item, the full mode that script's ``--quick`` sizes, up to
 10,000 items and 256 MiB; its 100,000-item, 2 GiB run takes about 15 minutes and is run by hand, see
-docs/scale.md), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks) and
+docs/scale.md), ``bench_loader.py`` (DataLoader: warm epochs, main-process CPU per batch; ``--quick`` runs
+that script's ``--quick`` mode for MONAI's loader and ours, the full mode every configuration, about 30
+minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks) and
 ``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
 ``CacheDataset(cache_dir=...)`` against a cold start). Each runs as a subprocess; every ratio in their tables
 is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
 describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
-(epoch time per epoch, memory across processes, bytes on disk per item).
+(epoch time per epoch, memory across processes, bytes on disk per item, warm epochs per loader).
 
 ``--quick`` runs reduced versions that finish in a few minutes on an idle 2-core machine.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale", "smartcache", "tiers")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -105,6 +107,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
     persistent = [py, str(bench_dir / "bench_persistent.py"), "--json", str(work / "persistent.json")]
     sampler = [py, str(bench_dir / "bench_sampler.py")]
     scale = [py, str(bench_dir / "bench_scale.py"), "--out", str(work / "scale")]
+    loader = [py, str(bench_dir / "bench_loader.py"), "--out", str(work / "loader")]
     if quick:
         # Reduced versions of the scripts' own --quick modes: 4 volumes, 2 ranks (where one shared copy shows),
         # one repeat. About a minute on an idle 2-core machine; a few minutes on a busy one.
@@ -115,6 +118,8 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         # 2,000 small items, ours against MONAI's eager CacheDataset (the large item is left to the full mode:
         # each of its four cases starts an interpreter, which alone would take the quick mode past a minute)
         scale += ["--sizes", "2000", "--variants", "ours-cache", "monai-cache", "--workers", "2", "--large-mb", "0"]
+        # the script's --quick mode (8 small volumes, 3 epochs, one repeat), MONAI's loader against ours only
+        loader += ["--quick", "--configs", "monai,ours+ours"]
     else:
         scale += ["--quick"]
     smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
@@ -122,8 +127,8 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
         tiers += ["--quick"]
-    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "smartcache": smartcache,
-            "tiers": tiers}
+    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "loader": loader,
+            "smartcache": smartcache, "tiers": tiers}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -251,10 +256,11 @@ def _plots(results: dict[str, Any], img_dir: Path) -> dict[str, str]:
     made: dict[str, str] = {}
     cache = results.get("cache", {}).get("data") or {}
     persistent = results.get("persistent", {}).get("data") or {}
-    plot = results.get("scale", {}).get("plot")
-    if isinstance(plot, Path) and plot.is_file():  # drawn by bench_scale.py itself
-        shutil.copyfile(plot, img_dir / "bench_scale.png")
-        made["scale"] = "bench_scale.png"
+    for kind in ("scale", "loader"):  # drawn by bench_scale.py and bench_loader.py themselves
+        plot = results.get(kind, {}).get("plot")
+        if isinstance(plot, Path) and plot.is_file():
+            shutil.copyfile(plot, img_dir / f"bench_{kind}.png")
+            made[kind] = f"bench_{kind}.png"
     for kind, fn, data in (
         ("epochs", _plot_epochs, cache),
         ("memory", _plot_memory, cache),
@@ -275,6 +281,7 @@ _TITLES = {
     "persistent": "PersistentDataset (disk) — `benchmarks/bench_persistent.py`",
     "sampler": "ShardedDistributedSampler — `benchmarks/bench_sampler.py`",
     "scale": "Scale: many small items, one large item — `benchmarks/bench_scale.py` (details: [scale.md](scale.md))",
+    "loader": "DataLoader — `benchmarks/bench_loader.py` (details: [loader.md](loader.md#benchmark))",
     "smartcache": "SmartCacheDataset — `benchmarks/bench_smartcache.py` (details: [smartcache.md](smartcache.md))",
     "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `benchmarks/bench_tiers.py` "
     "(details: [tiers.md](tiers.md))",
@@ -309,7 +316,8 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
         f"**Machine:** {_describe_machine(machine)}",
         "",
         "Every ratio is against stock MONAI (`monai.data.CacheDataset`, `monai.data.PersistentDataset`, "
-        "`torch.utils.data.DistributedSampler`) measured in the same run, on the same synthetic data. On a shared "
+        "`torch.utils.data.DistributedSampler`, `monai.data.DataLoader`) measured in the same run, on the same "
+        "synthetic data. On a shared "
         "machine (see the load average) the numbers are noisy. How the caches work: "
         "[shared memory](shared-memory.md), [disk cache](persistent.md), [sampler](sampler.md); "
         "the detailed cache study is in [benchmarks-cache.md](benchmarks-cache.md).",
@@ -322,6 +330,7 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
             "memory": "Memory of all processes together (peak and mean)",
             "disk": "Bytes on disk per item",
             "scale": "Small items: cost as the item count grows",
+            "loader": "Warm epoch per loader: wall time and CPU of all processes",
         }
         for kind, name in plots.items():
             md += [f"![{captions[kind]}](img/{name})", ""]
@@ -449,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
                 md = work / "scale" / "report.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
                 r["plot"] = work / "scale" / "bench_scale.png"
+            elif name == "loader":
+                r["data"] = _read_json(work / "loader" / "bench_loader.json")
+                md = work / "loader" / "bench_loader.md"
+                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+                r["plot"] = work / "loader" / "bench_loader.png"
             elif name in ("smartcache", "tiers"):
                 md = work / name / f"bench_{name}.md"
                 r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None

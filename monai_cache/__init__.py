@@ -1,7 +1,8 @@
 """monai_cache: drop-in replacements for MONAI's caching datasets.
 
-``from monai_cache import CacheDataset, PersistentDataset, SmartCacheDataset`` replaces the ``monai.data`` import:
-one shared-memory cache per machine, an asynchronous compact disk cache, and a shard-local sampler.
+``from monai_cache import CacheDataset, PersistentDataset, SmartCacheDataset, DataLoader`` replaces the
+``monai.data`` import: one shared-memory cache per machine, an asynchronous compact disk cache, a shard-local
+sampler, and a DataLoader whose workers hand each batch over as one shared-memory block.
 
 Names are imported lazily, so that ``monai_cache.shm`` or the command line start without importing
 MONAI (which takes seconds).
@@ -16,12 +17,14 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CacheDataset": "monai_cache.dataset",
+    "DataLoader": "monai_cache.loader",
     "PersistentDataset": "monai_cache.persistent",
     "CacheNTransDataset": "monai_cache.cache_n_trans",
     "SmartCacheDataset": "monai_cache.smartcache",
     "ShardedDistributedSampler": "monai_cache.sampler",
     "SharedMemoryStore": "monai_cache.shm",
     "DiskStore": "monai_cache.disk",
+    "BatchFallbackWarning": "monai_cache.errors",
     "CorruptEntryError": "monai_cache.errors",
     "UnsupportedValueError": "monai_cache.errors",
     "MonaiCacheWarning": "monai_cache.errors",
@@ -32,12 +35,14 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchFallbackWarning",
     "CacheDataset",
     "CacheFullWarning",
     "CacheNTransDataset",
     "CacheUnavailableWarning",
     "CorruptEntryError",
     "CorruptEntryWarning",
+    "DataLoader",
     "DiskStore",
     "MonaiCacheWarning",
     "PersistentDataset",
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
     from monai_cache.dataset import CacheDataset
     from monai_cache.disk import DiskStore
     from monai_cache.errors import (
+        BatchFallbackWarning,
         CacheFullWarning,
         CacheUnavailableWarning,
         CorruptEntryError,
@@ -62,6 +68,7 @@ if TYPE_CHECKING:
         UncachedItemWarning,
         UnsupportedValueError,
     )
+    from monai_cache.loader import DataLoader
     from monai_cache.persistent import PersistentDataset
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 __all__ = [
+    "BatchFallbackWarning",
     "CacheFullWarning",
     "CacheUnavailableWarning",
     "CorruptEntryError",
@@ -51,6 +52,12 @@ class UncachedItemWarning(MonaiCacheWarning):
 class CacheUnavailableWarning(MonaiCacheWarning):
     """The cache cannot be used as asked (directory not writable, I/O error, cache removed while in use,
     shared memory missing): items are served uncached."""
+
+
+class BatchFallbackWarning(MonaiCacheWarning):
+    """A batch of :class:`monai_cache.DataLoader` cannot travel as one shared-memory block (a value the codec
+    cannot store, too many of a worker's batches alive at once, no memfd or ``/proc/<pid>/fd``): it takes torch's
+    ordinary path, the same batch at torch's cost."""
 
 
 def warn(message: str, category: type[MonaiCacheWarning] = MonaiCacheWarning, stacklevel: int = 3) -> None:

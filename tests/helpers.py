@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import nibabel as nib
 import numpy as np
 import pytest
+import torch
 from monai.transforms import (
     Compose,
     EnsureChannelFirstd,
@@ -26,6 +28,52 @@ from monai.transforms import (
 )
 
 KEYS = ("image", "label")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so that -0.0 != 0.0 and NaN == NaN when comparing."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(
+    a, b, path: str = "item", strides: bool = True, skip_keys: Sequence = (), key_order: bool = True
+) -> None:
+    """Exact equality: types (keys too), dtypes, shapes, values (NaN-aware), MetaTensor attributes (``meta``,
+    ``applied_operations``, ``is_batch``), strides unless ``strides=False``, and the order of dict keys unless
+    ``key_order=False``. Dict entries whose key is in ``skip_keys`` are not compared (e.g. TraceKeys.ID, an
+    object's address in the process that made it)."""
+    from monai.data import MetaTensor
+
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, dict):
+        assert list(a) == list(b) if key_order else a.keys() == b.keys(), path
+        assert {k: type(k) for k in a} == {k: type(k) for k in b}, path
+        for k in a:
+            if k not in skip_keys:
+                assert_same(a[k], b[k], f"{path}[{k!r}]", strides, skip_keys, key_order)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]", strides, skip_keys, key_order)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert not strides or a.stride() == b.stride(), path
+        x = a.as_tensor() if isinstance(a, MetaTensor) else a
+        y = b.as_tensor() if isinstance(b, MetaTensor) else b
+        assert torch.equal(bits(x), bits(y)), path
+        if isinstance(a, MetaTensor):
+            assert a.is_batch == b.is_batch, path
+            assert_same(a.__dict__, b.__dict__, f"{path}.__dict__", strides, skip_keys, key_order)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert not strides or a.strides == b.strides, path
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def write_volumes(directory: str, n: int, shape: tuple[int, int, int] = (24, 20, 16), seed: int = 0) -> list[dict]:

@@ -82,6 +82,18 @@ _STUBS = {
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, "bench_tiers.md"), "w").write("# restart\\n\\n| tier | first batch |\\n")
     """,
+    "bench_loader.py": """
+        import json, os, sys
+        if "--quick" not in sys.argv:
+            sys.exit("the report's --quick must run bench_loader.py --quick")
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        json.dump({"summary": {}, "records": []}, open(os.path.join(out, "bench_loader.json"), "w"))
+        table = "### 2 rank(s) x 1 worker(s)\\n\\n| | monai | ours+ours |\\n"
+        open(os.path.join(out, "bench_loader.md"), "w").write(table)
+        import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+        plt.plot([1, 2]); plt.savefig(os.path.join(out, "bench_loader.png"))
+    """,
 }
 
 
@@ -94,14 +106,15 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     docs = tmp_path / "docs"
     p = run_report("--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
     summary = json.loads(p.stdout)  # --json: nothing else on stdout
-    assert summary["failed"] == [] and set(summary["benchmarks"]) == {
-        "cache", "persistent", "sampler", "scale", "smartcache", "tiers"}
+    assert summary["failed"] == []
+    assert set(summary["benchmarks"]) == {"cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers"}
     assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
     report = (docs / "benchmarks.md").read_text()
     assert "**Machine:**" in report and "load average" in report and "CPU cores" in report
     assert "| 1 | 2 |" in report and "### sampler benchmark" in report and "Bytes on disk per item" in report
     assert "| ours-cache | 2,000 |" in report and "| ours | 1 |" in report and "### restart" in report
-    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png"):
+    assert "## DataLoader" in report and "| | monai | ours+ours |" in report
+    for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png", "bench_loader.png"):
         assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{png}" in report
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import os
 import pickle
 import struct
@@ -14,6 +13,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from monai.data import MetaTensor
@@ -22,42 +22,6 @@ from monai.utils.enums import MetaKeys, SpaceKeys, TraceKeys
 from monai_cache import codec
 from monai_cache import downcast as downcast_module
 from monai_cache.codec import ALIGN, FORMAT_VERSION, MAGIC, CorruptEntryError, UnsupportedValueError, decode, encode
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, so that -0.0 != 0.0 and NaN == NaN when comparing."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(a, b, path="item"):
-    """Exact equality: types (keys too), dtypes, shapes, strides, values (NaN-aware), MetaTensor attributes."""
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        assert [type(k) for k in a] == [type(k) for k in b], path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), path
-        x = a.as_tensor() if isinstance(a, MetaTensor) else a
-        y = b.as_tensor() if isinstance(b, MetaTensor) else b
-        assert torch.equal(bits(x), bits(y)), path
-        if isinstance(a, MetaTensor):
-            assert a.is_batch == b.is_batch, path
-            assert_same(a.__dict__, b.__dict__, f"{path}.__dict__")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides, path
-        assert a.tobytes() == b.tobytes(), path
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), path
-    elif isinstance(a, np.generic):
-        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def roundtrip(item, **kw):

@@ -1,0 +1,549 @@
+"""A ``monai.data.DataLoader`` whose worker processes hand each batch to the main process as one block.
+
+torch moves a batch from a worker to the main process tensor by tensor: every storage becomes its own
+shared-memory file whose descriptor the main process fetches over a socket. A collated MetaTensor batch
+holds about a hundred tensors (the image, the label and the affines and other tensors of ``meta`` and
+``applied_operations``), so this costs more than the warm read of a cached item itself. Here each worker
+encodes its collated batch with :mod:`monai_cache.codec` into one block of a small ring of reusable memfd
+segments, and only a tiny handle travels through torch's result queue; unpickling the handle in the main
+process decodes the block zero-copy (tensors are views of the segment).
+
+How it works:
+
+* **Worker side.** :class:`_BlockCollate` wraps the collate function (also ``default_convert`` when
+  automatic batching is off). It collates with ``torch.utils.data.get_worker_info()`` hidden, so that
+  ``default_collate`` stacks into ordinary memory (in a worker it would allocate fresh shared memory for
+  every batch, page faults included, which the encode would then copy again), encodes the batch and copies
+  it into a free segment of this worker's :class:`_Ring`. A segment is an anonymous ``memfd`` (never a name in
+  ``/dev/shm``, so Docker's 64 MB ``--shm-size`` does not apply, and freed by the kernel when the last process
+  holding or mapping it is gone); once written, its pages are reused at memcpy speed.
+* **Main side.** The handle unpickles into :func:`_receive_block`: the main process opens the worker's segment
+  through ``/proc/<worker pid>/fd/<fd>`` (checked by inode), keeps one mapping per segment, and decodes the
+  batch from a per-batch buffer object that every tensor of the batch keeps alive. When the last of them is
+  gone, a ``weakref.finalize`` marks the segment free in the worker's control page (one byte per segment,
+  also a memfd). A segment is never rewritten while any tensor of its batch is referenced: kept batches stay
+  valid, pinned copies simply release it sooner.
+* **Bounds.** A worker that finds no free segment large enough makes a new one, up to
+  :data:`MAX_SEGMENTS` per worker (batches alive in the main process at once); beyond that, and for a batch
+  holding a value the codec cannot store, the batch takes torch's ordinary path, with one
+  :class:`~monai_cache.errors.BatchFallbackWarning` per loader. At most :data:`SPARE_SEGMENTS` free segments are
+  kept per worker; the others are given back.
+* **Across epochs.** Workers are new processes every epoch unless ``persistent_workers=True``. When they exit,
+  the main process keeps their segments (a :class:`_Pool` per loader, at most ``num_workers x (prefetch_factor +
+  1)``, including those whose batch the user still holds, which join once released) and hands them to the next
+  workers, so that their batches are copied into pages already allocated and mapped.
+* **Faults.** A worker killed mid-epoch: torch's SIGCHLD handler raises its usual ``RuntimeError``; batches
+  already received stay valid (their segments live as long as the main process maps them). The main process
+  killed: workers exit (torch's watchdog) and the kernel frees their memfds; nothing is ever left in
+  ``/dev/shm``. Where memfds or ``/proc/<pid>/fd`` cannot be used, every batch takes torch's path, with one
+  warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import monai.data
+import numpy as np
+from torch.utils.data import Dataset
+from torch.utils.data import _utils as torch_data_utils
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from monai_cache.codec import Encoded, decode, encode
+from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
+
+__all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader"]
+
+MAX_SEGMENTS = 64
+"""Segments per worker: the most batches of one worker that can be alive in the main process at once before
+further batches take torch's path (one warning). Each also holds a descriptor in the worker."""
+SPARE_SEGMENTS = 2
+"""Free segments a worker keeps for reuse; it gives back the others (smallest first) after each batch."""
+_FREE, _BUSY, _RETIRED = 0, 1, 2  # one byte per segment in the control page
+_CONTROL_SIZE = 4096
+_GRANULE = 64 << 10  # segment sizes are multiples of this (plus 1/8 headroom: padded batches vary a little)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """A shared mapping with its page table filled at once (far cheaper than a fault per page)."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+class _Segment:
+    """A memfd owned by this worker and the worker's writable mapping of it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self.ino, self.size = st.st_ino, st.st_size
+        self.map = _map(fd, self.size)
+
+    @classmethod
+    def create(cls, size: int) -> _Segment:
+        fd = os.memfd_create("monai_cache-batch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def grow(self, size: int) -> None:
+        """Enlarge (only while free: the main process's mapping of the old size stays valid)."""
+        os.ftruncate(self.fd, size)
+        self.map.close()
+        self.map = _map(self.fd, size)
+        self.size = size
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def _open_proc_fd(pid: int, fd: int, ino: int) -> int:
+    """Open process ``pid``'s descriptor ``fd`` through /proc, checking that it is still the file ``ino``."""
+    mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    if os.fstat(mine).st_ino != ino:
+        os.close(mine)
+        raise FileNotFoundError(f"descriptor {fd} of process {pid} is no longer the segment it was")
+    return mine
+
+
+def _same_file(fd: int, ino: int) -> bool:
+    try:
+        return os.fstat(fd).st_ino == ino
+    except OSError:
+        return False
+
+
+def _check_proc_access(main_pid: int, control_fd: int, control_ino: int) -> str | None:
+    """Why the main process could not open this worker's memfds through /proc, or None if it can.
+
+    Tests what the main process will do, from this side: reopening a memfd by its /proc path, and reading the
+    descriptor links of the main process (the same ptrace "read" permission, symmetric between a process and
+    its workers, which run with the same credentials).
+    """
+    try:
+        os.close(_open_proc_fd(os.getpid(), control_fd, control_ino))
+        links = os.listdir(f"/proc/{main_pid}/fd")
+        if links:
+            os.readlink(f"/proc/{main_pid}/fd/{links[0]}")
+    except OSError as e:
+        return f"/proc/<pid>/fd cannot be used to share memfds here ({e})"
+    return None
+
+
+class _Ring:
+    """This worker's segments and the control page in which the main process marks them free.
+
+    Args:
+        main_pid: the process iterating the loader.
+        adopt: ``(descriptor in the main process, inode)`` of free segments left by this loader's previous
+            workers, for this worker to reuse (their pages are already allocated).
+        inherited: descriptors of the main process's other segments handed to this loader's workers; a forked
+            worker closes its copies of those it does not adopt.
+    """
+
+    def __init__(self, main_pid: int, adopt: list[tuple[int, int]], inherited: list[tuple[int, int]]) -> None:
+        self.pid = os.getpid()
+        self.segments: list[_Segment | None] = [None] * MAX_SEGMENTS
+        self.control_fd = os.memfd_create("monai_cache-batch-control", os.MFD_CLOEXEC)
+        os.ftruncate(self.control_fd, _CONTROL_SIZE)
+        self.control = mmap.mmap(self.control_fd, _CONTROL_SIZE)
+        self.control_ino = os.fstat(self.control_fd).st_ino
+        self.unusable = _check_proc_access(main_pid, self.control_fd, self.control_ino)
+        forked = [(fd, ino) for fd, ino in inherited if _same_file(fd, ino)]
+        if self.unusable is None:
+            for slot, (fd, ino) in enumerate(adopt[:MAX_SEGMENTS]):
+                with contextlib.suppress(OSError):  # the main process dropped it meanwhile: make a new one later
+                    own = os.dup(fd) if (fd, ino) in forked else _open_proc_fd(main_pid, fd, ino)
+                    os.set_inheritable(own, False)
+                    self.segments[slot] = _Segment(own)
+        for fd, _ino in forked:  # copies inherited by fork: do not keep the main process's segments alive
+            os.close(fd)
+
+    def close(self) -> None:
+        for seg in self.segments:
+            if seg is not None:
+                seg.close()
+        self.control.close()
+        os.close(self.control_fd)
+
+    def _pick(self, nbytes: int) -> int | None:
+        """A free slot whose segment holds ``nbytes`` (grown or created if needed), or None at the bound."""
+        fitting, largest, empty = None, None, None
+        for slot, seg in enumerate(self.segments):
+            if seg is None:
+                if empty is None:
+                    empty = slot
+                continue
+            if self.control[slot] != _FREE:
+                continue
+            if seg.size >= nbytes and (fitting is None or seg.size < self.segments[fitting].size):  # type: ignore[union-attr]
+                fitting = slot
+            if largest is None or seg.size > self.segments[largest].size:  # type: ignore[union-attr]
+                largest = slot
+        if fitting is not None:
+            return fitting
+        size = -(-(nbytes + nbytes // 8) // _GRANULE) * _GRANULE
+        if largest is not None:
+            self.segments[largest].grow(size)  # type: ignore[union-attr]
+            return largest
+        if empty is None:
+            return None
+        self.segments[empty] = _Segment.create(size)
+        return empty
+
+    def _trim(self) -> None:
+        """Give back free segments beyond :data:`SPARE_SEGMENTS`, smallest first."""
+        free = [s for s, seg in enumerate(self.segments) if seg is not None and self.control[s] == _FREE]
+        if len(free) <= SPARE_SEGMENTS:
+            return
+        free.sort(key=lambda s: self.segments[s].size)  # type: ignore[union-attr]
+        for slot in free[: len(free) - SPARE_SEGMENTS]:
+            self.control[slot] = _RETIRED  # the main process drops its hold when it next looks
+            self.segments[slot].close()  # type: ignore[union-attr]
+            self.segments[slot] = None
+
+    def put(self, encoded: Encoded) -> _BlockHandle | None:
+        """Copy ``encoded`` into a free segment; its handle, or None when every segment is in use."""
+        slot = self._pick(encoded.nbytes)
+        if slot is None:
+            return None
+        seg = self.segments[slot]
+        assert seg is not None
+        with memoryview(seg.map) as out:
+            encoded.write_into(out[: encoded.nbytes], data_crc=False)
+        self.control[slot] = _BUSY
+        self._trim()
+        return _BlockHandle((self.pid, self.control_fd, self.control_ino, slot, seg.fd, seg.ino, encoded.nbytes))
+
+
+_ring: tuple[int, _Ring | None, str | None] | None = None  # (pid, ring, why there is none)
+
+
+def _worker_ring(collate: _BlockCollate) -> tuple[_Ring | None, str | None]:
+    """This process's ring (made on first use; a forked child makes its own), or None and why not."""
+    global _ring, _held, _attached, _lock
+    if _ring is None or _ring[0] != os.getpid():
+        # Forked from the main process: its tables describe the main process's holds, not this one's (the
+        # descriptors are copies; those of the pool are closed by _Ring). Forget them, without closing anything;
+        # the lock may have been held by another thread of the main process at the fork.
+        _held, _attached, _lock = {}, {}, threading.RLock()
+        info = torch_data_utils.worker._worker_info
+        share = collate.pool[info.id :: info.num_workers] if info is not None else []
+        try:
+            ring = _Ring(collate.main_pid, share, collate.pool)
+        except (OSError, AttributeError) as e:  # AttributeError: no os.memfd_create (not Linux)
+            _ring = (os.getpid(), None, f"memfd segments are not available ({e})")
+        else:
+            if ring.unusable is None:
+                _ring = (ring.pid, ring, None)
+            else:
+                ring.close()
+                _ring = (ring.pid, None, ring.unusable)
+    return _ring[1], _ring[2]
+
+
+class _BlockHandle:
+    """What travels through torch's result queue for a batch: where its block is. Unpickles as the batch."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: tuple[int, ...]) -> None:
+        self.where = where
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[int, ...]]:
+        return _receive_block, self.where
+
+
+class _TorchPath:
+    """A batch sent torch's ordinary way; unpickles as the batch, warning once per loader why
+    (:class:`~monai_cache.errors.BatchFallbackWarning`)."""
+
+    __slots__ = ("batch", "reason", "token")
+
+    def __init__(self, batch: Any, reason: str, token: str) -> None:
+        self.batch, self.reason, self.token = batch, reason, token
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _receive_torch_path, (self.batch, self.reason, self.token)
+
+
+@contextlib.contextmanager
+def _worker_info_hidden() -> Iterator[None]:
+    """``get_worker_info()`` returns None inside: ``default_collate`` then stacks into ordinary memory."""
+    worker = torch_data_utils.worker
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
+
+
+class _BlockCollate:
+    """Collate, then move the batch into a block of this worker's ring (in DataLoader workers only).
+
+    Args:
+        collate_fn: the loader's collate function (or ``default_convert``).
+        main_pid: pid of the process iterating the loader.
+        token: identifies the loader, so that each loader warns once.
+        pool: ``(descriptor, inode)`` in the main process of free segments of earlier workers, shared out among
+            the workers.
+    """
+
+    def __init__(
+        self, collate_fn: Callable[[Any], Any], main_pid: int, token: str, pool: list[tuple[int, int]]
+    ) -> None:
+        self.collate_fn = collate_fn
+        self.main_pid = main_pid
+        self.token = token
+        self.pool = pool
+
+    def __call__(self, samples: Any) -> Any:
+        if torch_data_utils.worker._worker_info is None:  # not in a worker: nothing to move
+            return self.collate_fn(samples)
+        ring, why_not = _worker_ring(self)
+        with _worker_info_hidden():
+            batch = self.collate_fn(samples)
+        if ring is None:
+            return _TorchPath(batch, f"batches take torch's path: {why_not}", self.token)
+        try:
+            handle = ring.put(encode(batch))
+        except UnsupportedValueError as e:
+            return _TorchPath(batch, f"a batch takes torch's path: {e}", self.token)
+        except (OSError, ValueError, RecursionError) as e:  # no memory for a segment, a value json refuses, ...
+            return _TorchPath(batch, f"a batch takes torch's path: {type(e).__name__}: {e}", self.token)
+        if handle is None:
+            return _TorchPath(
+                batch,
+                f"more than {MAX_SEGMENTS} batches of one worker are alive in the main process; further batches "
+                "take torch's path until some are released",
+                self.token,
+            )
+        return handle
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Main-process side
+# ---------------------------------------------------------------------------------------------------------
+
+_lock = threading.RLock()  # guards the three tables below
+
+
+class _Held:
+    """The main process's hold on a worker's segment: a descriptor and one mapping of it."""
+
+    __slots__ = ("fd", "map")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.map = _map(fd, os.fstat(fd).st_size)
+
+
+_held: dict[int, _Held] = {}  # inode -> hold, for every segment this process has mapped and not given up
+
+
+def _drop(ino: int) -> None:
+    """Give up a segment: its memory goes once no batch maps it any more."""
+    held = _held.pop(ino, None)
+    if held is not None:
+        os.close(held.fd)
+
+
+class _Attachment:
+    """One worker's ring seen from the main process: its control page and which segment is in which slot."""
+
+    def __init__(self, pid: int, control_fd: int, control_ino: int) -> None:
+        self.pid = pid
+        fd = _open_proc_fd(pid, control_fd, control_ino)
+        try:
+            self.control = mmap.mmap(fd, _CONTROL_SIZE)
+        finally:
+            os.close(fd)
+        self.slots: dict[int, int] = {}  # slot -> inode of the segment last seen there
+
+    def block(self, slot: int, fd: int, ino: int, nbytes: int) -> np.ndarray:
+        """The batch's bytes, as a new array object (its lifetime is the batch's)."""
+        with _lock:
+            for s in [s for s, i in self.slots.items() if self.control[s] == _RETIRED]:
+                _drop(self.slots.pop(s))  # the worker gave it back
+            held = _held.get(ino)
+            if held is None:
+                held = _held[ino] = _Held(_open_proc_fd(self.pid, fd, ino))
+            elif len(held.map) < nbytes:  # the worker grew it
+                held.map = _Held(held.fd).map
+            self.slots[slot] = ino
+            return np.frombuffer(held.map, dtype=np.uint8, count=nbytes)
+
+
+_attached: dict[tuple[int, int], _Attachment] = {}  # (worker pid, control inode) -> attachment
+
+
+def _release(control: mmap.mmap, slot: int) -> None:
+    """Mark a segment free for its worker (the last tensor of its batch is gone)."""
+    with contextlib.suppress(ValueError):  # closed at interpreter exit
+        control[slot] = _FREE
+
+
+def _receive_block(pid: int, control_fd: int, control_ino: int, slot: int, fd: int, ino: int, nbytes: int) -> Any:
+    """Unpickling a :class:`_BlockHandle` in the main process: decode the batch from the worker's segment."""
+    att = None
+    try:
+        with _lock:
+            att = _attached.get((pid, control_ino))
+            if att is None:
+                att = _attached[(pid, control_ino)] = _Attachment(pid, control_fd, control_ino)
+        buffer = att.block(slot, fd, ino, nbytes)
+    except OSError as e:
+        if att is not None:
+            _release(att.control, slot)
+        raise RuntimeError(f"monai_cache.DataLoader: cannot read the batch that worker {pid} sent ({e})") from e
+    weakref.finalize(buffer, _release, att.control, slot).atexit = False
+    return decode(memoryview(buffer))  # type: ignore[arg-type]
+
+
+class _Pool:
+    """Segments of a loader's exited workers, handed to its next workers (whose pages then need no faults).
+
+    An entry is ``(inode, control page, slot)``: the segment is free once ``control[slot]`` says so (a
+    segment whose batch the user still held when its worker exited becomes free later); ``None`` for a
+    segment known to be free.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, mmap.mmap | None, int]] = []
+        self.closed = False  # the loader is gone: segments given back later are dropped
+
+    def take(self) -> list[tuple[int, int]]:
+        """``(descriptor, inode)`` of the free segments, which leave the pool."""
+        with _lock:
+            ready = [e for e in self.entries if e[1] is None or e[1][e[2]] == _FREE]
+            self.entries = [e for e in self.entries if e not in ready]
+            return [(_held[ino].fd, ino) for ino, _c, _s in ready if ino in _held]
+
+    def give(self, entries: list[tuple[int, mmap.mmap | None, int]], limit: int) -> None:
+        """Add segments; beyond ``limit`` entries, drop those still in use first, then the smallest."""
+        with _lock:
+            known = {e[0] for e in self.entries}
+            self.entries += [e for e in entries if e[0] in _held and e[0] not in known]
+            self.entries.sort(key=lambda e: (e[1] is not None and e[1][e[2]] != _FREE, -len(_held[e[0]].map)))
+            for ino, _c, _s in self.entries[0 if self.closed else limit :]:
+                _drop(ino)
+            del self.entries[0 if self.closed else limit :]
+
+    def close(self) -> None:
+        self.closed = True
+        self.give([], 0)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Pool, ()  # a copied or pickled loader starts with an empty pool of its own
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _receive_torch_path(batch: Any, reason: str, token: str) -> Any:
+    kind = reason.split(":", 1)[0]
+    if (token, kind) not in _warned:
+        _warned.add((token, kind))
+        warn(f"DataLoader: {reason}", BatchFallbackWarning)
+    return batch
+
+
+class _BlockIterator(_MultiProcessingDataLoaderIter):
+    """torch's multi-process iterator with the collate function wrapped by :class:`_BlockCollate`."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._block_token = loader._block_token
+        self._block_pool = loader._block_pool
+        self._block_handed = self._block_pool.take()
+        try:
+            super().__init__(loader)
+        except BaseException:
+            self._block_pool.give([(ino, None, 0) for _fd, ino in self._block_handed], len(self._block_handed))
+            raise
+
+    @property  # type: ignore[override]
+    def _collate_fn(self) -> Callable[[Any], Any]:
+        return self._wrapped_collate
+
+    @_collate_fn.setter
+    def _collate_fn(self, fn: Callable[[Any], Any]) -> None:
+        self._wrapped_collate = _BlockCollate(fn, os.getpid(), self._block_token, self._block_handed)
+
+    def _shutdown_workers(self) -> None:
+        super()._shutdown_workers()
+        workers = getattr(self, "_workers", [])
+        if not hasattr(self, "_block_handed") or any(w.is_alive() for w in workers):
+            return
+        # handed segments in which no batch was seen are free (the worker may have written one that was lost)
+        entries: dict[int, tuple[int, mmap.mmap | None, int]] = {ino: (ino, None, 0) for _fd, ino in self._block_handed}
+        with _lock:
+            pids = {w.pid for w in workers}
+            for key in [k for k in _attached if k[0] in pids]:
+                att = _attached.pop(key)
+                for slot, ino in att.slots.items():
+                    state = att.control[slot]
+                    if state == _RETIRED:  # given back by the worker
+                        entries.pop(ino, None)
+                        _drop(ino)
+                    else:  # free, or free once the user lets go of its batch
+                        entries[ino] = (ino, None if state == _FREE else att.control, slot)
+        self._block_handed = []
+        self._block_pool.give(list(entries.values()), len(workers) * (self._prefetch_factor + 1))
+
+
+class DataLoader(monai.data.DataLoader):
+    """``monai.data.DataLoader`` whose workers move each batch to the main process as one shared-memory block.
+
+    A drop-in replacement: same signature and same batches (values, dtypes, MetaTensor ``meta``,
+    ``applied_operations`` and ``is_batch``), for every collate function. With ``num_workers=0`` it is
+    ``monai.data.DataLoader``. With workers, each batch is collated in the worker, encoded with
+    :mod:`monai_cache.codec` into a reusable memfd segment, and decoded zero-copy in the main process; a
+    segment is reused only once no tensor of its batch is referenced any more. See :mod:`monai_cache.loader`.
+
+    Differences a user may notice (both also documented in ``docs/loader.md``):
+
+    * inside the collate function, in a worker, ``torch.utils.data.get_worker_info()`` returns None (so that
+      ``default_collate`` stacks into ordinary memory instead of fresh shared memory);
+    * objects that appear twice in one batch come out as two equal objects, not one; tensors are contiguous
+      (or a permutation of contiguous) rather than keeping the strides they had in the worker.
+
+    A batch holding a value the codec cannot store (e.g. a ``set`` or a custom object) takes torch's ordinary
+    path, with one :class:`~monai_cache.errors.BatchFallbackWarning` per loader.
+
+    Args:
+        dataset: dataset from which to load the data.
+        num_workers: how many subprocesses to use for data loading; ``0`` loads in the main process.
+        kwargs: the other arguments of ``monai.data.DataLoader`` / ``torch.utils.data.DataLoader``
+            (``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``, ``collate_fn`` (default MONAI's
+            ``list_data_collate``), ``pin_memory``, ``drop_last``, ``timeout``, ``worker_init_fn`` (default
+            MONAI's), ``multiprocessing_context``, ``generator``, ``prefetch_factor``, ``persistent_workers``,
+            ``pin_memory_device``, ``in_order``), with the same meaning.
+    """
+
+    def __init__(self, dataset: Dataset, num_workers: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, num_workers=num_workers, **kwargs)
+        self._block_token = secrets.token_hex(8)
+        self._block_pool = _Pool()
+        weakref.finalize(self, self._block_pool.close)
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return _BlockIterator(self)

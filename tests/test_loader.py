@@ -1,0 +1,293 @@
+"""monai_cache.DataLoader: the same batches as monai.data.DataLoader, moved as one shared-memory block each.
+
+Real worker processes (fork and spawn), real memfd segments, the tutorial chain on real NIfTI files; every
+batch is compared value by value and meta by meta with what ``monai.data.DataLoader`` gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import monai.data
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same
+from monai.data import decollate_batch, list_data_collate, pad_list_data_collate
+from monai.utils.enums import TraceKeys
+
+import monai_cache
+from monai_cache.errors import BatchFallbackWarning
+from monai_cache.loader import MAX_SEGMENTS, DataLoader
+from monai_cache.runtime import pid_alive
+from monai_cache.sampler import ShardedDistributedSampler
+from monai_cache.synthetic import make_dataset, tutorial_transforms
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
+SHAPE = (40, 40, 24)
+CROP = (16, 16, 8)
+BLOCK = "memfd:monai_cache-batch"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_dataset(str(tmp_path_factory.mktemp("ct")), items=6, shape=SHAPE)
+
+
+@pytest.fixture(scope="module")
+def dataset(files):
+    """MONAI's CacheDataset over the tutorial chain: the deterministic part cached, then 2 random crops."""
+    return monai.data.CacheDataset(files, tutorial_transforms(spatial_size=CROP, num_samples=2), progress=False)
+
+
+def epochs(loader_class: type, dataset, n: int = 1, **kwargs) -> list[list]:
+    """``n`` epochs of a new loader's batches. The seed fixes the random states of the transforms (which MONAI's
+    DataLoader sets when it is made with ``num_workers=0``, and in each worker otherwise)."""
+    torch.manual_seed(0)
+    loader = loader_class(dataset, **kwargs)
+    return [list(loader) for _ in range(n)]
+
+
+def block_ranges(pid: int | str = "self") -> list[tuple[int, int]]:
+    """Address ranges of the batch segments mapped by a process."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if BLOCK in line and "control" not in line:
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def in_block(t: torch.Tensor) -> bool:
+    """Whether a tensor's memory is a batch segment (it came as a block, not torch's way)."""
+    p = t.untyped_storage().data_ptr()
+    return any(lo <= p < hi for lo, hi in block_ranges())
+
+
+def memfds(pid: int | str = "self") -> list[str]:
+    """Batch segments a process holds open or mapped."""
+    out = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if "monai_cache-batch" in link:
+                    out.append(link)
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+        out += [line.strip() for line in f if "monai_cache-batch" in line]
+    return out
+
+
+def assert_batches_equal(ours: list, theirs: list, key_order: bool = True) -> None:
+    """Equal values, dtypes, shapes, MetaTensor attributes; not TraceKeys.ID, the address of an object the random
+    crop makes in the worker (it differs between two runs of monai.data.DataLoader itself)."""
+    assert len(ours) == len(theirs) > 0
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert_same(a, b, f"batch{i}", strides=False, skip_keys=(TraceKeys.ID,), key_order=key_order)
+
+
+def user_collate(samples: list) -> dict:
+    """A user's collate: MONAI's, plus values of other kinds."""
+    batch = list_data_collate(samples)
+    return {
+        "pair": (batch["image"], batch["label"]),
+        "n": len(batch["image"]),
+        "names": [str(i) for i in range(len(batch["image"]))],
+        "grid": np.arange(6, dtype=np.int16).reshape(2, 3),
+    }
+
+
+@pytest.mark.parametrize("collate", [None, pad_list_data_collate, user_collate], ids=["list_data", "pad_list", "user"])
+def test_batches_equal_monai_dataloader_and_come_as_blocks(dataset, collate):
+    kwargs = {"batch_size": 2, "num_workers": 2, **({"collate_fn": collate} if collate else {})}
+    theirs = epochs(monai.data.DataLoader, dataset, **kwargs)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchFallbackWarning)  # no batch fell back to torch's path
+        ours = epochs(DataLoader, dataset, **kwargs)[0]
+    assert_batches_equal(ours, theirs)
+    first = ours[0]["pair"][0] if collate is user_collate else ours[0]["image"]
+    assert first.is_batch and len(first.applied_operations) == 4  # 2 volumes x 2 crops
+    assert all(in_block(b["pair"][0] if collate is user_collate else b["image"]) for b in ours)
+    if collate is None:
+        for a, b in zip(ours, theirs):
+            assert_batches_equal(decollate_batch(a), decollate_batch(b))
+
+
+def test_spawn_and_persistent_workers_over_epochs(dataset):
+    kwargs = {"batch_size": 2, "num_workers": 1, "persistent_workers": True}  # 1: each spawned worker imports MONAI
+    theirs = epochs(monai.data.DataLoader, dataset, n=2, **kwargs)
+    ours = epochs(DataLoader, dataset, n=2, multiprocessing_context="spawn", **kwargs)
+    for a, b in zip(ours, theirs):  # MONAI's collated meta keys come in an order that depends on the hash seed
+        assert_batches_equal(a, b, key_order=False)
+    assert all(in_block(b["image"]) for b in ours[1])
+
+
+def test_batch_sampler_sharded_sampler_iterable_and_default_convert(dataset, files):
+    batch_sampler = [[4, 0], [1], [5, 3, 2]]
+    sampler = ShardedDistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=1)
+    iterable = monai.data.IterableDataset(files[:3], tutorial_transforms(spatial_size=CROP, num_samples=1))
+    cases = [
+        (dataset, {"batch_sampler": batch_sampler}),
+        (dataset, {"batch_size": 2, "sampler": sampler}),
+        (iterable, {"batch_size": None, "collate_fn": None}),  # automatic batching off: default_convert
+    ]
+    for ds, kwargs in cases:
+        ours = epochs(DataLoader, ds, num_workers=2, **kwargs)[0]
+        assert_batches_equal(ours, epochs(monai.data.DataLoader, ds, num_workers=2, **kwargs)[0])
+        tensors = [b["image"] if isinstance(b, dict) else b[0]["image"] for b in ours]
+        assert all(in_block(t) for t in tensors)
+
+
+def test_same_signature_and_num_workers_zero_passes_through(dataset):
+    def params(cls: type) -> list:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
+
+    assert params(DataLoader) == params(monai.data.DataLoader)
+    assert monai_cache.DataLoader is DataLoader
+    assert type(iter(DataLoader(dataset, batch_size=2))).__name__ == "_SingleProcessDataLoaderIter"
+    ours = epochs(DataLoader, dataset, batch_size=2)[0]
+    assert_batches_equal(ours, epochs(monai.data.DataLoader, dataset, batch_size=2)[0])
+    assert not any(in_block(b["image"]) for b in ours)
+
+
+def test_pin_memory_on_cpu(dataset):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")  # torch: no accelerator, nothing to pin
+        theirs = epochs(monai.data.DataLoader, dataset, batch_size=2, num_workers=2, pin_memory=True)[0]
+        ours = epochs(DataLoader, dataset, batch_size=2, num_workers=2, pin_memory=True)[0]
+    assert_batches_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent-workers"])
+def test_kept_batches_keep_their_values_while_segments_are_reused(dataset, persistent):
+    loader = DataLoader(dataset, batch_size=1, num_workers=2, persistent_workers=persistent)
+    kept = list(loader)
+    copies = [{k: v.clone() for k, v in b.items()} for b in kept]
+    assert all(in_block(b["image"]) for b in kept)
+    mapped = []
+    for _ in range(3):
+        for batch in loader:
+            batch["image"].fill_(-1)  # scribble over every new batch in place: it must not reach kept ones
+        mapped.append(len(block_ranges()))
+    for b, c in zip(kept, copies):
+        assert_same(b, c, strides=False)
+    # released segments are reused: the mappings do not grow by a batch's worth epoch after epoch
+    assert max(mapped) <= len(kept) + 2 * (2 + 2), mapped
+
+
+def test_worker_killed_raises_torch_error_and_leaves_nothing(dataset):
+    before = memfds()
+    loader = DataLoader(dataset, batch_size=1, num_workers=2, prefetch_factor=1)
+    it = iter(loader)
+    first = next(it)  # from worker 0
+    copy = first["image"].clone()
+    pids = [w.pid for w in it._workers]
+    assert memfds(pids[0])
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):
+        list(it)
+    assert torch.equal(first["image"], copy)  # what the killed worker sent stays valid
+    del it, first, loader
+    gc.collect()
+    assert memfds() == before and not any(memfds(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_main_process_killed_leaves_nothing(tmp_path, files):
+    listing = tmp_path / "files.json"
+    listing.write_text(json.dumps(files))
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "loader_main.py"), str(listing)],
+                            stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    try:
+        workers = json.loads(proc.stdout.readline())["workers"]
+        assert all(memfds(w) for w in workers) and memfds(proc.pid)  # the blocks were in use
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30  # torch's watchdog notices the parent's death within 5 s
+    while any(pid_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(w) for w in workers)
+    pids = [str(p) for p in (proc.pid, *workers)]
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if any(p in n for p in pids)]
+
+
+class WithSet(torch.utils.data.Dataset):
+    """Items holding a value the codec cannot store (a set), every one."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.full((3,), float(i)), "tags": {f"t{i}"}}
+
+
+def keep_tags(samples: list) -> dict:
+    return {"x": torch.stack([s["x"] for s in samples]), "tags": [s["tags"] for s in samples]}
+
+
+class Tiny(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2 * MAX_SEGMENTS + 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((128,), float(i))  # 512 bytes: stored in the block, not inline in its header
+
+
+def test_batches_the_codec_cannot_store_take_torch_path_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = list(DataLoader(WithSet(), batch_size=2, num_workers=2, collate_fn=keep_tags))
+    assert_batches_equal(
+        ours, list(monai.data.DataLoader(WithSet(), batch_size=2, num_workers=0, collate_fn=keep_tags))
+    )
+    ours_warnings = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
+    assert len(ours_warnings) == 1 and "set" in ours_warnings[0], ours_warnings
+    # more batches of one worker alive than it has segments for: the rest take torch's path, one warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = list(DataLoader(Tiny(), batch_size=1, num_workers=2, prefetch_factor=1))
+    assert [float(b[0, 0]) for b in kept] == [float(i) for i in range(len(Tiny()))]
+    ours_warnings = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
+    assert len(ours_warnings) == 1 and f"more than {MAX_SEGMENTS} batches" in ours_warnings[0], ours_warnings
+    assert sum(in_block(b) for b in kept) == 2 * MAX_SEGMENTS
+
+
+def run_sandboxed(mount: str, mode: str) -> dict:
+    """``loader_sandbox.py <mode>`` in a private mount namespace where ``mount`` (a ``mount`` command) ran first."""
+    script = os.path.join(SCRIPTS, "loader_sandbox.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    cmd = ["unshare", "-m", "sh", "-c", f"{mount} && echo mounted && exec {sys.executable} {script} {mode}"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if not r.stdout.startswith("mounted"):
+        pytest.skip(f"cannot make a private mount namespace here: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_works_with_a_64mb_dev_shm_where_torch_path_fails():
+    """Docker's default --shm-size is 64 MB; memfd segments are not in /dev/shm."""
+    out = run_sandboxed("mount -t tmpfs -o size=64m tmpfs /dev/shm", "small-shm")
+    assert out["monai_cache.DataLoader"] == "ok"
+    assert out["monai.data.DataLoader"] != "ok"  # torch's own path needs the space in /dev/shm
+
+
+def test_without_proc_batches_take_torch_path_with_one_warning():
+    out = run_sandboxed("mount -t tmpfs none /proc", "no-proc")
+    assert out["sums"] == [1000.0, 5000.0]
+    assert len(out["warnings"]) == 1 and "/proc/<pid>/fd cannot be used" in out["warnings"][0], out["warnings"]
