@@ -135,7 +135,7 @@ def run_config(spec: dict[str, Any], run_dir: str, shm_dir: str, ranks: int) -> 
         json.dump(spec, f)
     env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir)
     env.setdefault("PYTHONWARNINGS", "ignore")
-    memory = harness.MemorySampler([], shm_dir, 0.25)
+    memory = harness.MemorySampler([], shm_dir, 0.1 if spec["quick"] else 0.25)  # quick: warm epochs are short
     try:
         harness.run_ranks([os.path.abspath(__file__), "--rank-spec", spec_path], ranks, run_dir, env,
                           on_start=memory.start)
@@ -178,7 +178,7 @@ def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work:
                 spec = {
                     "question": question, "config": config, "data_list": data_list, "cache_dir": cache_dir,
                     "epochs": args.epochs, "workers": args.workers, "batch_size": args.batch_size,
-                    "crop": list(crop), "seed": args.seed,
+                    "crop": list(crop), "seed": args.seed, "quick": args.quick,
                 }
                 try:
                     result = run_config(spec, os.path.join(work, "runs", question, config), shm_dir, args.ranks)
