@@ -10,6 +10,7 @@ import hashlib
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import time
 import warnings
@@ -405,3 +406,21 @@ def test_location_of_a_packed_entry_is_complete_enough_to_remove_it(tmp_path):
     fresh = DiskStore(tmp_path, writable=False)
     assert fresh.get("k") is MISSING
     check(fresh.get("j"), "j")
+
+
+def test_a_cache_written_before_the_store_redesign_still_reads(tmp_path):
+    """tests/data/disk-cache-v1 was written by monai_cache b9c55cc (before the disk store was split into
+    disk_format, disk_writer and disk): a kept cache must read the same items, and verify clean."""
+    from _disk_fixture_items import fixture_items
+    from helpers import assert_same
+
+    kept = tmp_path / "kept"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "disk-cache-v1"), kept)
+    kinds = sorted(n.rsplit(".", 1)[-1] for n in os.listdir(kept))
+    assert kinds == ["mcache", "mcidx", "mcidx", "mcpack", "mcpack"]  # a file of its own, and two packs
+    reader = DiskStore(kept, writable=False)
+    for key, item in fixture_items().items():
+        assert_same(reader.get(key), item)
+    assert reader.stats()["process"]["corrupt"] == 0
+    result = verify_disk_cache(str(kept))
+    assert result["bad"] == [] and result["ok"] == 3
