@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import select
 import signal
@@ -306,10 +307,18 @@ class Rank:
         self.kill_group()
 
 
-def _worker_death(e: BaseException) -> bool:
+def _worker_death(e: BaseException, it: Any = None) -> bool:
     """Whether ``e`` is how a DataLoader reports a worker that died: torch's SIGCHLD handler (RuntimeError),
-    or a connection reset / EOF while a batch's tensors were being passed from the dead worker."""
-    return (isinstance(e, RuntimeError) and "DataLoader worker" in str(e)) or isinstance(e, (ConnectionError, EOFError))
+    a connection reset / EOF / failed handshake while a batch's tensors were being passed from the dead worker
+    (torch's ``rebuild_storage_fd`` asks the worker's resource sharer for each descriptor), or any error of
+    ``it`` raised in that hand-over while one of its workers is dead."""
+    if (isinstance(e, RuntimeError) and "DataLoader worker" in str(e)) or isinstance(
+        e, (ConnectionError, EOFError, multiprocessing.AuthenticationError)
+    ):
+        return True
+    in_handover = any(f.name in ("rebuild_storage_fd", "detach", "get_connection")
+                      for f in traceback.extract_tb(e.__traceback__))
+    return in_handover and any(not w.is_alive() for w in getattr(it, "_workers", None) or [])
 
 
 def _shutdown(it: Any) -> None:
@@ -330,7 +339,10 @@ def _rank_main(build: Any, wfd: int, seed: int, persistent: bool, batch_size: in
     torch.set_num_threads(1)
 
     def say(msg: str) -> None:
-        os.write(wfd, (msg.replace("\n", " | ")[:3000] + "\n").encode())
+        line = msg.replace("\n", " | ")
+        if len(line) > 3000:  # keep the end of a traceback: the exception itself
+            line = line[:500] + " ... " + line[-2500:]
+        os.write(wfd, (line + "\n").encode())
 
     try:
         from monai.data import DataLoader
@@ -357,7 +369,7 @@ def _rank_main(build: Any, wfd: int, seed: int, persistent: bool, batch_size: in
                 epoch += 1
                 say(f"E {epoch} {checked}")
             except Exception as e:
-                if not _worker_death(e):
+                if not _worker_death(e, it):
                     raise
                 _shutdown(it)
                 say("W")
