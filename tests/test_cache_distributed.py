@@ -46,7 +46,9 @@ def test_two_gloo_ranks_compute_each_item_once_on_the_machine(shm_dir, volumes, 
     calls = read_calls(log)
     # the deterministic transforms ran once per item on the machine, whatever rank or worker needed it
     assert Counter(case for _, case in calls) == Counter(range(len(volumes)))
-    assert len({pid for pid, _ in calls}) >= 2  # and the work was split among processes
+    if runtime_cache:  # each rank's workers compute the items of its own shard in epoch 1: always split
+        assert len({pid for pid, _ in calls}) >= 2
+    # (the eager fill is shared too, but a rank that starts late finds everything done: timing, not a rule)
     seen = sorted(case for r in results for case in r["seen"])
     assert seen == sorted(list(range(len(volumes))) * 2)  # 2 epochs, every item once per epoch
     assert results[0]["path"] == results[1]["path"]
