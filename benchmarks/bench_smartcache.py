@@ -11,10 +11,9 @@ the ratio monai_cache / MONAI:
 * time to build the dataset (the first window cached), wall and CPU of all processes;
 * epoch time (every epoch, ``update_cache()`` included; median over epochs and repeats), wall and CPU of all
   processes (each rank with its DataLoader workers and its replacement thread);
-* memory of all processes together, sampled from outside: the PSS of every process (shared pages split among
-  the processes mapping them, so each is counted once) plus the bytes of monai_cache's shared-memory files
-  (counted whole, whether mapped or not; their mapped pages are left out of the PSS); mean over the epochs, and
-  peak;
+* memory of all processes together, sampled from outside (``harness.MemorySampler``): the PSS of every process
+  (shared pages split among the processes mapping them, so each is counted once) plus the part of monai_cache's
+  shared-memory files that no process maps; mean over the epochs, and peak;
 * the bytes of cached items held on the machine once the epochs are over (MONAI: every rank's cache list and
   next replacements, summed over the ranks; monai_cache: its shared-memory store, once per machine);
 * how many times the deterministic transforms ran.
@@ -31,79 +30,18 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from bench_scale import _blocks as allocated_bytes  # bytes of the files under a directory (its neighbour here)
+import harness  # the launcher and memory sampler the benchmarks share (its neighbour here)
 
 CONFIGS = ("monai", "monai-cache")
 _MIB = 1 << 20
-
-
-# ------------------------------------------------------------------------------------------- memory
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and its living descendants."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:  # exited meanwhile
-            continue
-    return found
-
-
-def _pss_outside(pid: int, prefix: bytes) -> int:
-    """PSS of ``pid``'s mappings, except those of files under ``prefix`` (counted whole, once, elsewhere)."""
-    total, skip = 0, False
-    try:
-        with open(f"/proc/{pid}/smaps", "rb") as f:
-            for line in f:
-                if line[:1] in b"0123456789abcdef" and b"-" in line.split(b" ", 1)[0]:
-                    fields = line.split(None, 5)
-                    skip = len(fields) == 6 and fields[5].startswith(prefix)
-                elif line.startswith(b"Pss:") and not skip:
-                    total += int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return total
-
-
-class Memory:
-    """Samples the memory of process trees and a shared-memory directory in a thread (see the module doc)."""
-
-    def __init__(self, roots: Sequence[int], shm_dir: str, interval: float) -> None:
-        self.roots, self.shm_dir, self.interval = list(roots), shm_dir, interval
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        prefix = (os.path.realpath(self.shm_dir) + "/").encode()
-        while not self._stop.is_set():
-            t = time.time()
-            pids = [p for root in self.roots for p in _descendants(root)]
-            self.samples.append((t, sum(_pss_outside(p, prefix) for p in pids) + allocated_bytes(self.shm_dir)))
-            self._stop.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def between(self, start: float, end: float) -> list[int]:
-        return [m for t, m in self.samples if start <= t <= end]
 
 
 # ---------------------------------------------------------------------------------------------- one rank
@@ -176,12 +114,6 @@ def rank_main(spec_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(config: str, args: argparse.Namespace, data: list, work: str) -> dict[str, Any]:
     """Start the ranks of one run as torchrun does, sample their memory, and collect what they measured."""
     run_dir = os.path.join(work, f"{config}-{uuid.uuid4().hex[:6]}")
@@ -195,33 +127,21 @@ def run_config(config: str, args: argparse.Namespace, data: list, work: str) -> 
     spec_path = os.path.join(run_dir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    port = _free_port()
-    procs = []
-    for rank in range(args.ranks):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            MONAI_CACHE_SHM_DIR=shm_dir, OMP_NUM_THREADS="1",
-        )  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-spec", spec_path], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    memory = Memory([p.pid for p in procs], shm_dir, args.mem_interval)
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir)
+    memory = harness.MemorySampler([], shm_dir, args.mem_interval)
     try:
-        errors = [p.communicate(timeout=args.timeout)[1] for p in procs]
+        harness.run_ranks([os.path.abspath(__file__), "--rank-spec", spec_path], args.ranks, run_dir, env,
+                          args.timeout, on_start=memory.start)
+    except RuntimeError as e:
+        raise RuntimeError(f"{config}: {e}") from None
     finally:
         memory.stop()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         shutil.rmtree(shm_dir, ignore_errors=True)
-    for p, err in zip(procs, errors):
-        if p.returncode != 0:
-            raise RuntimeError(f"{config}: a rank failed with exit status {p.returncode}:\n{err[-3000:]}")
     ranks = []
     for rank in range(args.ranks):
         with open(spec["result"].format(rank=rank)) as f:
             ranks.append(json.load(f))
-    during = memory.between(max(r["started"] for r in ranks), min(r["ended"] for r in ranks))
+    mem = memory.summary((max(r["started"] for r in ranks), min(r["ended"] for r in ranks)))
     with open(spec["log"]) as f:
         runs = sum(1 for _ in f)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -233,8 +153,8 @@ def run_config(config: str, args: argparse.Namespace, data: list, work: str) -> 
         "epoch_s": [max(r["epochs"][e][0] for r in ranks) for e in range(args.epochs)],
         "epoch_cpu_s": [sum(r["epochs"][e][1] for r in ranks) for e in range(args.epochs)],
         "held": sum(r["held"] for r in ranks) if config == "monai" else max(r["held"] for r in ranks),
-        "mem_mean": statistics.fmean(during) if during else None,
-        "mem_peak": max((m for _t, m in memory.samples), default=None),
+        "mem_mean": mem["mem_warm"],  # over the epochs
+        "mem_peak": mem["mem_peak"],
         "deterministic_runs": runs,
     }
 
