@@ -45,12 +45,6 @@ _MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------------- one rank
-def _cpu() -> float:
-    """CPU seconds of this process and its finished children (the DataLoader workers of past epochs)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def rank_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -84,9 +78,9 @@ def rank_main(spec_path: str) -> None:
         from monai_cache import SmartCacheDataset
     kw = dict(replace_rate=spec["replace_rate"], cache_num=spec["cache_num"], seed=0, progress=False)
     dist.barrier()
-    t0, c0 = time.time(), _cpu()
+    t0, c0 = time.time(), harness.own_cpu_seconds()
     ds = SmartCacheDataset(spec["data"], transform, **kw)
-    init = (time.time() - t0, _cpu() - c0)
+    init = (time.time() - t0, harness.own_cpu_seconds() - c0)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(ds, batch_size=2, sampler=sampler, num_workers=spec["workers"])
     ds.start()
@@ -94,12 +88,12 @@ def rank_main(spec_path: str) -> None:
     epochs, started = [], time.time()
     for epoch in range(spec["epochs"]):
         sampler.set_epoch(epoch)
-        t, c = time.time(), _cpu()
+        t, c = time.time(), harness.own_cpu_seconds()
         for batch in loader:
             total = batch["image"].float().mean().reshape(1)
             dist.all_reduce(total)  # ranks in lockstep, as in training
         ds.update_cache()
-        epochs.append((time.time() - t, _cpu() - c))
+        epochs.append((time.time() - t, harness.own_cpu_seconds() - c))
     ended = time.time()
     ds.shutdown()  # waits for the next replacements: what the cache holds is settled
     if spec["config"] == "monai":  # this rank's own copies: its cache list and the next replacements

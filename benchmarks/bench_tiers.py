@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import harness
+
+from monai_cache.utils import format_table
 
 QUESTIONS: dict[str, dict[str, str]] = {
     "persistent": {
@@ -58,12 +59,6 @@ _MIB = 1 << 20
 # ---------------------------------------------------------------------------------------------------------
 # Inside the ranks
 # ---------------------------------------------------------------------------------------------------------
-def _cpu() -> float:
-    """CPU seconds of this process and of its reaped children (the DataLoader workers of past epochs)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def _dataset(question: str, config: str, files: list[dict], transform: Any, cache_dir: str) -> Any:
     import monai.data
 
@@ -96,7 +91,7 @@ def rank_main(spec_path: str) -> None:
         files = json.load(f)
     transform = tutorial_transforms(spatial_size=spec["crop"])
     dist.barrier()  # the clock starts when every rank is ready to build
-    start, cpu0 = time.perf_counter(), _cpu()
+    start, cpu0 = time.perf_counter(), harness.own_cpu_seconds()
     dataset = _dataset(spec["question"], spec["config"], files, transform, spec["cache_dir"])
     sampler = DistributedSampler(dataset, shuffle=True, seed=spec["seed"])
     loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"])
@@ -104,20 +99,22 @@ def rank_main(spec_path: str) -> None:
     epochs = []
     for epoch in range(spec["epochs"]):
         sampler.set_epoch(epoch)
-        t0, c0, w0 = time.perf_counter(), _cpu(), time.time()
+        t0, c0, w0 = time.perf_counter(), harness.own_cpu_seconds(), time.time()
         for batch in loader:
             if first_batch is None:
                 first_batch = time.perf_counter() - start
             total = torch.tensor([float(batch["image"].sum())])  # stands for a training step
             dist.all_reduce(total)
-        epochs.append({"seconds": time.perf_counter() - t0, "cpu": _cpu() - c0, "start": w0, "end": time.time()})
+        cpu = harness.own_cpu_seconds() - c0
+        epochs.append({"seconds": time.perf_counter() - t0, "cpu": cpu, "start": w0, "end": time.time()})
     flush = getattr(dataset, "flush", None)
     t0 = time.perf_counter()
     if flush is not None:
         flush()  # the disk tier complete before the next run reads it (not counted in the epochs)
     flush_s = time.perf_counter() - t0
     dist.barrier()  # nobody releases a shared cache before everyone is done
-    result = {"first_batch_s": first_batch, "epochs": epochs, "flush_s": flush_s, "cpu_total": _cpu() - cpu0}
+    cpu_total = harness.own_cpu_seconds() - cpu0
+    result = {"first_batch_s": first_batch, "epochs": epochs, "flush_s": flush_s, "cpu_total": cpu_total}
     with open(os.path.join(os.path.dirname(spec_path), f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -220,13 +217,6 @@ def table(question: str, runs: dict[str, list[dict[str, Any]]]) -> list[list[str
     return rows
 
 
-def _markdown(rows: list[list[str]]) -> str:
-    head, *body = rows
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
@@ -276,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for question, by_config in runs.items():
         out += [f"# {titles[question]}", ""]
         out += [", ".join(f"`{c}`: {QUESTIONS[question][c]}" for c in by_config) + ".", ""]
-        out += [_markdown(table(question, by_config)), ""]
+        out += [format_table(table(question, by_config), markdown=True), ""]
         if question == "restart":
             cold, warm = (
                 harness.median(r["first_batch_s"] for r in by_config[c]) for c in ("ours-cold", "ours-restart")

@@ -35,6 +35,7 @@ __all__ = [
     "MemorySampler",
     "free_port",
     "median",
+    "own_cpu_seconds",
     "process_tree",
     "run_ranks",
     "torchrun_env",
@@ -204,6 +205,13 @@ def process_tree(roots: Iterable[int]) -> list[int]:
             seen.append(pid)
             todo.extend(_children(pid))
     return seen
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of the children it reaped (e.g. the DataLoader workers of
+    past epochs), measured from inside a rank."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def tree_cpu_seconds(pid: int) -> float:
