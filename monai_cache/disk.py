@@ -89,6 +89,9 @@ WARNED_UNWRITABLE = 1
 WARNED_FULL = 2
 WARNED_UNSUPPORTED = 4
 WARNED_IO = 8
+# Write errors that stop this store's writes (one warning), as opposed to a failure of one entry.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class _Missing:
@@ -184,8 +187,7 @@ class DiskStore:
 
     __slots__ = (
         "__weakref__", "_bad_reported", "_counts", "_describe", "_disabled", "_failing", "_files", "_packs", "_pid",
-        "_shared",
-        "_unsupported", "_warned_io", "_writer", "allow_pickle", "async_writes", "compression",
+        "_shared", "_unsupported", "_warned_io", "_writer", "allow_pickle", "async_writes", "compression",
         "compression_level", "compression_threads", "directory", "downcast", "fsync", "lossy", "max_pending_bytes",
         "max_pending_writes", "pack_limit", "shared", "writable",
     )
@@ -748,15 +750,14 @@ class DiskStore:
 
     def _write_failed(self, key: str, e: OSError, size: int) -> None:
         with self._failing:
-            stops_writes = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
-            if stops_writes and self._disabled is not None:
+            if e.errno in _DISK_FULL + _NOT_ALLOWED and self._disabled is not None:
                 self._count(skipped=1)  # in flight when another write failed and stopped writes: one cause, one error
                 return
             self._report_write_failure(key, e, size)
 
     def _report_write_failure(self, key: str, e: OSError, size: int) -> None:
         self._count(write_errors=1)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno in _DISK_FULL:
             self._disable(
                 WARNED_FULL,
                 f"the disk holding the cache directory {self.directory!r} is full ({e.strerror}; the entry for "
@@ -765,7 +766,7 @@ class DiskStore:
                 "cache_dir.",
                 CacheFullWarning,
             )
-        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        elif e.errno in _NOT_ALLOWED:
             self._disable(
                 WARNED_UNWRITABLE,
                 f"cannot write in the cache directory {self.directory!r} ({e.strerror or e}). Training continues "
