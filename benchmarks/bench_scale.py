@@ -137,9 +137,26 @@ def _blocks(path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ one rank
+def _loader_class(variant: str, loader: str) -> type:
+    """The DataLoader class a rank uses: ``torch``'s for every variant, ``monai``'s for every variant, or each
+    ``package``'s own (``monai_cache.DataLoader`` for ours, ``monai.data.DataLoader`` for MONAI's)."""
+    if loader == "torch":
+        from torch.utils.data import DataLoader
+
+        return DataLoader
+    if loader == "package" and variant.startswith("ours"):
+        from monai_cache import DataLoader as OurLoader
+
+        return OurLoader
+    if loader in ("monai", "package"):
+        from monai.data import DataLoader as MonaiLoader
+
+        return MonaiLoader
+    raise SystemExit(f"unknown loader {loader}")
+
+
 def rank_main(variant: str, n: int, workers: int, cache_dir: str, result: str) -> None:
     import torch
-    from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
     MakeImage = _make_transform()
@@ -180,9 +197,10 @@ def rank_main(variant: str, n: int, workers: int, cache_dir: str, result: str) -
             fds, maps = _proc_counts() if probe else (-1, -1)
             return {"image": item["image"], "fds": fds, "maps": maps}
 
+    loader_cls = _loader_class(variant, os.environ.get("BENCH_SCALE_LOADER", "torch"))
     epochs, fds, maps = [], 0, 0
     for _epoch in range(2):
-        loader = DataLoader(Probe(), batch_size=64, num_workers=workers, shuffle=True)
+        loader = loader_cls(Probe(), batch_size=64, num_workers=workers, shuffle=True)
         t = time.perf_counter()
         seen = 0
         for batch in loader:
@@ -439,8 +457,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--large-mb", type=int, help="size of the large item in MiB (0: skip)")
     p.add_argument("--timeout", type=float, help="seconds per variant and size")
+    p.add_argument("--loader", choices=("torch", "monai", "package"), default="torch",
+                   help="the DataLoader of the small-item runs: torch's for every variant (default), MONAI's for every "
+                        "variant, or each package's own (monai_cache.DataLoader for ours, MONAI's for MONAI's)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
+    os.environ["BENCH_SCALE_LOADER"] = args.loader  # read by the ranks
     sizes = args.sizes or ([2000, 5000, 10000] if args.quick else [10000, 50000, 100000])
     large_mb = args.large_mb if args.large_mb is not None else (256 if args.quick else 2048)
     timeout = args.timeout or (120 if args.quick else 1200)

@@ -476,7 +476,13 @@ def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
     """Check the fixed prefix of a blob; return ``(header_length, total_length)``."""
     if len(buf) < PREFIX_SIZE:
         raise CorruptEntryError(f"truncated: {len(buf)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
-    magic, version, flags, hlen, total, _crc, _ = _PREFIX.unpack_from(buf, 0)
+    fields = _PREFIX.unpack_from(buf, 0)
+    _check_prefix(fields)
+    return fields[3], fields[4]
+
+
+def _check_prefix(fields: tuple) -> None:
+    magic, version, flags, hlen, total, _crc, _ = fields
     if magic != MAGIC:
         raise CorruptEntryError("not a monai_cache entry (bad magic number)")
     if version != FORMAT_VERSION:
@@ -485,7 +491,6 @@ def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
         raise CorruptEntryError(f"unknown flags {flags:#x} in the entry prefix")
     if hlen > MAX_HEADER or PREFIX_SIZE + hlen > total:
         raise CorruptEntryError(f"header length {hlen} does not fit the entry")
-    return hlen, total
 
 
 _JSON = json.JSONDecoder()
@@ -524,15 +529,17 @@ class _Decoder:
         return shape
 
     def _tensor(self, node: dict) -> torch.Tensor:
-        dtype = _TORCH_DTYPES.get(str(node.get("dt")))
-        if dtype is None:
-            raise CorruptEntryError(f"unknown torch dtype {node.get('dt')!r}")
+        # The hit path of every cached tensor: kept flat (each call and lookup shows in reads of small items).
+        try:
+            dtype = _TORCH_DTYPES[node["dt"]]
+        except (KeyError, TypeError):  # TypeError: not hashable (a list), so not a dtype name either
+            raise CorruptEntryError(f"unknown torch dtype {node.get('dt')!r}") from None
         stored = dtype
         if "sd" in node:
-            stored_dtype = _TORCH_DTYPES.get(str(node["sd"]))
-            if stored_dtype is None:
-                raise CorruptEntryError(f"unknown stored dtype {node['sd']!r}")
-            stored = stored_dtype
+            try:
+                stored = _TORCH_DTYPES[node["sd"]]
+            except (KeyError, TypeError):
+                raise CorruptEntryError(f"unknown stored dtype {node['sd']!r}") from None
         shape = self._shape(node)
         perm = node.get("pm")
         if perm is not None:
@@ -549,8 +556,8 @@ class _Decoder:
             t = torch.empty(stored_shape, dtype=stored)
         else:
             np_dtype = _NUMPY_OF_TORCH.get(stored)
-            if np_dtype is not None:  # through numpy: about 2.5x cheaper than torch.frombuffer + view
-                t = torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).reshape(stored_shape))
+            if np_dtype is not None:  # through numpy: about 3x cheaper than torch.frombuffer + view
+                t = torch.from_numpy(np.ndarray(stored_shape, np_dtype, buf))
             else:  # bfloat16: no numpy dtype
                 t = torch.frombuffer(buf, dtype=stored).view(stored_shape)
         if perm is not None:
@@ -558,7 +565,7 @@ class _Decoder:
             for i, p in enumerate(perm):
                 inverse[p] = i
             t = t.permute(inverse)
-        if stored != dtype:
+        if stored is not dtype:
             t = t.to(dtype)
         if "dev" in node:
             t = t.to(str(node["dev"]))
@@ -730,12 +737,15 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
     Raises:
         CorruptEntryError: the blob is truncated, damaged, foreign, or asks for something not allowed.
     """
-    buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
-    hlen, total = read_prefix(buf)
+    buf = memoryview(blob).cast("B")
+    if buf.nbytes < PREFIX_SIZE:
+        raise CorruptEntryError(f"truncated: {buf.nbytes} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
+    fields = _PREFIX.unpack_from(buf, 0)
+    _check_prefix(fields)
+    _magic, _version, flags, hlen, total, header_crc, data_crc = fields
     if total != buf.nbytes:
         raise CorruptEntryError(f"entry claims {total} bytes but has {buf.nbytes}")
     raw_header = buf[PREFIX_SIZE : PREFIX_SIZE + hlen]
-    _magic, _version, flags, _hlen, _total, header_crc, data_crc = _PREFIX.unpack_from(buf, 0)
     if zlib.crc32(raw_header) != header_crc:
         raise CorruptEntryError("header checksum mismatch")
     try:

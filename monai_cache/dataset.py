@@ -151,6 +151,8 @@ class CacheDataset(_MonaiCacheDataset):
 
     _pack_entries = True
     """Whether the store packs small entries into segments (``SharedMemoryStore(pack=...)``)."""
+    _first_random: tuple[Any, int | None] | None = None
+    """``(transform.transforms, index of its first random transform)``, computed once per chain, not per read."""
 
     def __init__(
         self,
@@ -435,6 +437,11 @@ class CacheDataset(_MonaiCacheDataset):
             return index % n
         return None
 
+    def __getitem__(self, index: Any) -> Any:
+        if type(index) is int:  # a DataLoader's read: MONAI's checks for a slice or a sequence cost more than a hit
+            return self._transform(index)
+        return super().__getitem__(index)
+
     def _transform(self, index: int) -> Any:
         cache_index = self._cache_index_of(index)
         if cache_index is None:
@@ -462,7 +469,13 @@ class CacheDataset(_MonaiCacheDataset):
                 self._counts["hits"] += 1
         if not isinstance(self.transform, Compose):  # e.g. reassigned to a plain callable; MONAI's message
             raise ValueError("transform must be an instance of monai.transforms.Compose.")
-        first_random = first_random_index(self.transform)
+        transforms = self.transform.transforms
+        memo = self._first_random
+        if memo is not None and memo[0] is transforms:
+            first_random = memo[1]
+        else:  # MONAI's Compose holds a tuple: a changed chain is a new tuple, so the index is kept with its tuple
+            first_random = first_random_index(self.transform)
+            self._first_random = (transforms, first_random) if type(transforms) is tuple else None
         if first_random is not None:
             if not private and self.copy_cache is True:
                 data = deepcopy(data)
