@@ -8,11 +8,12 @@ import warnings
 from collections import Counter
 
 import monai.data
+import numpy as np
 import pytest
 import torch
 from helpers import RandZeroInPlace, Times10, chain, read_calls
 from monai.data import DataLoader
-from monai.transforms import Compose, Transform
+from monai.transforms import Compose, RandomizableTrait, Transform
 from test_codec import assert_same
 
 import monai_cache
@@ -87,6 +88,34 @@ def test_transform_reassigned_to_a_plain_callable_gives_monais_error(shm_dir):
         ds.transform = lambda d: d
         with pytest.raises(ValueError, match=r"transform must be an instance of monai\.transforms\.Compose"):
             ds[0]
+
+
+class _PlusOne(Transform):
+    def __call__(self, d):
+        return {"x": d["x"] + 1}
+
+
+class _RandTimes3(Transform, RandomizableTrait):  # random by position, deterministic in value: outputs compare
+    def __call__(self, d):
+        return {"x": d["x"] * 3}
+
+
+@pytest.mark.parametrize("index", [1, np.int64(1), True])
+def test_chain_changed_after_reads_is_followed_as_monai_does(shm_dir, index):
+    """A hit finds the first random transform once per chain (not per read): a chain swapped after reads, or whose
+    tuple of transforms is replaced, must still run from its own first random transform, as MONAI's does."""
+    got = {}
+    for cls in (monai.data.CacheDataset, monai_cache.CacheDataset):
+        ds = cls([{"x": 1}, {"x": 2}], Compose([_PlusOne(), _RandTimes3()]), progress=False)
+        first = ds[index]["x"]  # cached (x + 1), then x 3
+        ds.transform = Compose([_PlusOne(), _PlusOne(), _RandTimes3()])  # the cache keeps x + 1; runs from 2
+        second = ds[index]["x"]
+        ds.transform.transforms = (_RandTimes3(), _RandTimes3())  # a new tuple: runs from 0
+        third = ds[index]["x"]
+        ds.transform.transforms = [_PlusOne(), _RandTimes3()]  # a list (never memoised): runs from 1
+        fourth = ds[index]["x"]
+        got[cls] = (first, second, third, fourth, ds[0:2][1]["x"], ds[[1]][0]["x"])
+    assert got[monai_cache.CacheDataset] == got[monai.data.CacheDataset] == (9, 9, 27, 9, 9, 9)
 
 
 def test_hash_as_key_with_runtime_cache_returns_the_right_item(shm_dir):
