@@ -718,16 +718,6 @@ def profile_warm_reads(data_list: str, spatial_size: Sequence[int], top: int = 1
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _settings(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        r, _, w = part.strip().partition("x")
-        if not (r.isdigit() and w.isdigit() and int(r) >= 1):
-            raise argparse.ArgumentTypeError(f"settings look like 1x2,2x2 (ranks x workers); got {text!r}")
-        out.append((int(r), int(w)))
-    return out
-
-
 def _shape(text: str) -> tuple[int, ...]:
     parts = text.strip().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) >= 8 for p in parts):
@@ -752,7 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", type=_shape, default=None, help="voxels per volume (default 160x160x96)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3; --quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (default 2; --quick 1)")
-    parser.add_argument("--settings", type=_settings, default=[(1, 2), (2, 2)], help="ranks x workers, e.g. 1x2,2x2")
+    parser.add_argument(
+        "--settings", type=harness.parse_settings, default=[(1, 2), (2, 2)], help="ranks x workers, e.g. 1x2,2x2"
+    )
     parser.add_argument(
         "--configs", type=_configs, default=list(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}; default all but "
         "monai-runtime"

@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from harness import median, run_ranks, tree_cpu_seconds
+from harness import median, parse_settings, run_ranks, tree_cpu_seconds
 
 from monai_cache.utils import format_table
 
@@ -349,16 +349,6 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: str) -> None:
     plt.close(fig)
 
 
-def _settings(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        r, _, w = part.strip().partition("x")
-        if not (r.isdigit() and w.isdigit() and int(r) >= 1):
-            raise argparse.ArgumentTypeError(f"settings look like 1x2,2x1 (ranks x workers); got {text!r}")
-        out.append((int(r), int(w)))
-    return out
-
-
 def _configs(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names or any(n not in CONFIGS for n in names):
@@ -375,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (default 3; --quick 1)")
     parser.add_argument(
-        "--settings", type=_settings, default=[(1, 2), (2, 1)], help="ranks x workers (default 1x2,2x1)"
+        "--settings", type=parse_settings, default=[(1, 2), (2, 1)], help="ranks x workers (default 1x2,2x1)"
     )
     parser.add_argument("--configs", type=_configs, default=list(CONFIGS), help=f"default {','.join(CONFIGS)}")
     parser.add_argument("--batch-size", type=int, default=2)

@@ -53,6 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 VARIANTS = ("ours-cache", "ours-persistent", "monai-cache", "monai-processes", "monai-persistent")
+LOADERS = {  # --loader: the DataLoader of the small-item runs
+    "torch": "torch's DataLoader for every dataset",
+    "monai": "monai.data.DataLoader for every dataset",
+    "package": "each package's own DataLoader (monai_cache.DataLoader for ours, monai.data.DataLoader for MONAI's)",
+}
 ITEM_BYTES = 64 * 64 * 4
 
 
@@ -143,8 +148,7 @@ def _blocks(path: str) -> int:
 
 # ------------------------------------------------------------------------------------------ one rank
 def _loader_class(variant: str, loader: str) -> type:
-    """The DataLoader class a rank uses: ``torch``'s for every variant, ``monai``'s for every variant, or each
-    ``package``'s own (``monai_cache.DataLoader`` for ours, ``monai.data.DataLoader`` for MONAI's)."""
+    """The DataLoader class a rank of ``variant`` uses with ``--loader`` ``loader`` (see ``LOADERS``)."""
     if loader == "torch":
         from torch.utils.data import DataLoader
 
@@ -374,9 +378,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> str:
-    loader = {"torch": "torch's DataLoader for every dataset", "monai": "monai.data.DataLoader for every dataset",
-              "package": "each package's own DataLoader (monai_cache.DataLoader for ours, monai.data.DataLoader "
-                         "for MONAI's)"}[os.environ.get("BENCH_SCALE_LOADER", "torch")]
+    loader = LOADERS[os.environ.get("BENCH_SCALE_LOADER", "torch")]
     lines = [f"Small items read with {loader}.", "",
              "| dataset | items | build s | warm items/s | peak memory | worker fds | worker maps | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -466,9 +468,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--large-mb", type=int, help="size of the large item in MiB (0: skip)")
     p.add_argument("--timeout", type=float, help="seconds per variant and size")
-    p.add_argument("--loader", choices=("torch", "monai", "package"), default="torch",
-                   help="the DataLoader of the small-item runs: torch's for every variant (default), MONAI's for every "
-                        "variant, or each package's own (monai_cache.DataLoader for ours, MONAI's for MONAI's)")
+    p.add_argument("--loader", choices=tuple(LOADERS), default="torch",
+                   help="the DataLoader of the small-item runs: " + "; ".join(f"{k}: {v}" for k, v in LOADERS.items()))
     p.add_argument("--out", default=".")
     args = p.parse_args()
     os.environ["BENCH_SCALE_LOADER"] = args.loader  # read by the ranks

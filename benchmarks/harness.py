@@ -19,6 +19,7 @@ This module ships with the repository's benchmarks, not with the package; script
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -379,6 +380,17 @@ class MemorySampler:
 # ---------------------------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------------------------
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """``--settings`` of the benchmarks: ``"1x2,2x1"`` -> ``[(1, 2), (2, 1)]`` (ranks x DataLoader workers)."""
+    out = []
+    for part in text.split(","):
+        r, _, w = part.strip().partition("x")
+        if not (r.isdigit() and w.isdigit() and int(r) >= 1):
+            raise argparse.ArgumentTypeError(f"settings look like 1x2,2x1 (ranks x workers); got {text!r}")
+        out.append((int(r), int(w)))
+    return out
 
 
 def median(values: Iterable[float | None]) -> float | None:

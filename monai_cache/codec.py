@@ -472,16 +472,8 @@ def item_nbytes(item: Any, depth: int = 0) -> int:
     return 0
 
 
-def read_prefix(buf: memoryview | bytes) -> tuple[int, int]:
-    """Check the fixed prefix of a blob; return ``(header_length, total_length)``."""
-    if len(buf) < PREFIX_SIZE:
-        raise CorruptEntryError(f"truncated: {len(buf)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
-    fields = _PREFIX.unpack_from(buf, 0)
-    _check_prefix(fields)
-    return fields[3], fields[4]
-
-
 def _check_prefix(fields: tuple) -> None:
+    """Check the unpacked fixed prefix of a blob (``_PREFIX`` fields)."""
     magic, version, flags, hlen, total, _crc, _ = fields
     if magic != MAGIC:
         raise CorruptEntryError("not a monai_cache entry (bad magic number)")
