@@ -311,14 +311,26 @@ def _worker_death(e: BaseException, it: Any = None) -> bool:
     """Whether ``e`` is how a DataLoader reports a worker that died: torch's SIGCHLD handler (RuntimeError),
     a connection reset / EOF / failed handshake while a batch's tensors were being passed from the dead worker
     (torch's ``rebuild_storage_fd`` asks the worker's resource sharer for each descriptor), or any error of
-    ``it`` raised in that hand-over while one of its workers is dead."""
+    ``it`` raised in that hand-over once one of its workers is dead.
+
+    A killed process closes its sockets before it becomes a zombie, so the hand-over can fail (for instance
+    with multiprocessing's plain ``OSError("got end of file during message")``) a moment before the worker
+    shows as dead: that is waited for, up to 2 s."""
     if (isinstance(e, RuntimeError) and "DataLoader worker" in str(e)) or isinstance(
         e, (ConnectionError, EOFError, multiprocessing.AuthenticationError)
     ):
         return True
     in_handover = any(f.name in ("rebuild_storage_fd", "detach", "get_connection")
                       for f in traceback.extract_tb(e.__traceback__))
-    return in_handover and any(not w.is_alive() for w in getattr(it, "_workers", None) or [])
+    if not in_handover:
+        return False
+    workers = getattr(it, "_workers", None) or []
+    deadline = time.monotonic() + 2.0
+    while not any(not w.is_alive() for w in workers):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _shutdown(it: Any) -> None:
