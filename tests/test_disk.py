@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from helpers import mounted_tmpfs, one_torch_thread, open_for_writing  # noqa: F401 (an autouse fixture)
+from helpers import assert_same, mounted_tmpfs, one_torch_thread, open_for_writing  # noqa: F401 (an autouse fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,15 +50,6 @@ def item_for(key: str, nbytes: int = 64 << 10) -> dict:
     image[: n // 3] = torch.rand(n // 3, generator=g)
     label = (torch.rand(n, generator=g) > 0.7).float()
     return {"image": image, "label": label, "key": key, "seed": seed, "spacing": (1.5, 1.5, 2.0)}
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 def read_back(directory, key: str, nbytes: int = 64 << 10) -> None:
