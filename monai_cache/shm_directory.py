@@ -296,6 +296,8 @@ class CacheDirectory:
         self._segment_fds: dict[int, int] = {}  # read-only descriptors, one per segment (not per entry)
         self._append_lock = threading.Lock()
         self._writer: tuple[int, int, int] | None = None  # (pid, segment number, fd) being appended to
+        self._writing: dict[int, int] = {}  # writer fd -> threads of this process writing into it now
+        self._retired: set[int] = set()  # writer fds of finished segments, closed when their last write ends
         self._write_pos = 0
         register(self, exit_order=1)  # after the disk stores have flushed (a tier may read from here)
 
@@ -365,7 +367,7 @@ class CacheDirectory:
             w = self._writer
             if w is None or w[0] != os.getpid() or self._write_pos + size > SEGMENT_SIZE:
                 if w is not None and w[0] == os.getpid():
-                    os.close(w[2])
+                    self._retire(w[2])
                 seg = self.counters.add({"segments": 1})["segments"]
                 fd = os.open(
                     f"{self.path}/s.{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
@@ -374,9 +376,28 @@ class CacheDirectory:
                 self._write_pos = 0
             offset = self._write_pos
             self._write_pos += (size + 63) // 64 * 64
-        fallocate(w[2], offset, size)
-        write_all(w[2], chunks, offset)
+            fd = w[2]
+            self._writing[fd] = self._writing.get(fd, 0) + 1
+        try:
+            fallocate(fd, offset, size)
+            write_all(fd, chunks, offset)
+        finally:
+            with self._append_lock:
+                left = self._writing.pop(fd) - 1
+                if left:
+                    self._writing[fd] = left
+                elif fd in self._retired:
+                    self._retired.discard(fd)
+                    os.close(fd)
         return w[1], offset
+
+    def _retire(self, fd: int) -> None:
+        """Done appending to the segment of ``fd`` (caller holds the append lock): close it now, or when the last
+        thread still writing into it finishes (closed early, a descriptor could be reused for another file)."""
+        if self._writing.get(fd):
+            self._retired.add(fd)
+        else:
+            os.close(fd)
 
     def write_entry_file(self, i: int, chunks: Iterator[Any], size: int) -> None:
         """Write a large entry to a temporary file of its own and rename it to ``<i>.e`` once complete.
@@ -523,6 +544,7 @@ class CacheDirectory:
             self.lease_fd = -1
         self._append_lock = threading.Lock()  # a lock held by another thread at fork time stays held
         self._writer = None  # never append to the parent's segment: start our own on the first write
+        self._writing, self._retired = {}, set()  # the parent's writes: its threads did not come along
 
     def _at_exit(self) -> None:
         self.leave()

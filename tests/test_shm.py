@@ -324,6 +324,30 @@ def test_small_entries_are_packed_without_per_entry_files(shm_dir):
     store.release()
 
 
+def test_threads_filling_across_segment_ends_write_every_entry(shm_dir, monkeypatch):
+    """Threads of one process append to one segment; the thread that starts the next segment must not close the
+    one that others are still writing (a closed, perhaps reused, descriptor: lost or misplaced entries)."""
+    from multiprocessing.pool import ThreadPool
+
+    monkeypatch.setattr(shm_directory, "SEGMENT_SIZE", 256 << 10)  # a new segment every 15 entries
+    store = SharedMemoryStore("threads", 600)
+
+    def put(i: int) -> None:
+        store[i] = {"x": torch.full((4096,), float(i))}  # 16 KiB, packed
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed write or a corrupt entry warns
+        for _ in range(3):
+            with ThreadPool(4) as pool:
+                pool.map(put, range(600), chunksize=1)
+            assert store.missing() == []
+            for i in range(600):
+                assert torch.equal(store[i]["x"], torch.full((4096,), float(i))), i
+            store.clear()
+    assert store.stats()["total"]["corrupt"] == 0
+    store.release()
+
+
 def test_budget_full_degrades_with_one_warning(shm_dir):
     one = SharedMemoryStore("measure", 1)
     one[0] = item(0)
@@ -507,3 +531,20 @@ def test_remove_one_entry_frees_it_for_every_process(shm_dir):
     assert other[0] is None and other[1] is None and float(other[2]["x"][0]) == 2.0
     other.release()
     store.release()
+
+
+@pytest.mark.parametrize("sizes", [[40, 300, 0, 16384, 24], [3] * 1500, [1 << 20, 7]])
+def test_write_all_writes_every_chunk_in_order(shm_dir, sizes):
+    """One ``pwritev`` for a few chunks, chunk by chunk past the kernel's 1024-buffer limit: the same bytes."""
+    rng = np.random.default_rng(len(sizes))
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    path = os.path.join(shm_dir, "write_all")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert runtime.write_all(fd, (memoryview(c) for c in chunks), 100) == sum(sizes)
+        out = bytearray(sum(sizes))
+        assert runtime.read_into(fd, memoryview(out), 100) == sum(sizes)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    assert bytes(out) == b"".join(chunks)
