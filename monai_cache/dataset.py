@@ -375,7 +375,11 @@ class CacheDataset(_MonaiCacheDataset):
             return None if store.fill(entry, make(data_index)) else job
 
         with ThreadPool(threads) as pool:
-            results = pool.imap(fill, jobs)
+            # Hand the threads jobs in chunks once there are many: one job at a time costs a thread hand-over
+            # per item (about 45 us, a fifth of what a 16 KiB item costs to make and store), while 64 chunks or
+            # more per thread still keep them evenly busy with items that take long.
+            chunk = max(1, len(jobs) // (64 * (threads or os.cpu_count() or 1)))
+            results = pool.imap(fill, jobs, chunksize=chunk)
             if progress:
                 results = tqdm(results, total=len(jobs), desc="Loading dataset")
             deferred = [job for job in results if job is not None]

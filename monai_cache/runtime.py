@@ -623,6 +623,7 @@ def sweep_temp_files(directory: str, max_age: float = STALE_TMP_SECONDS) -> list
 # ------------------------------------------------------------------------------------------------ I/O
 
 _IO_CHUNK = 1 << 30  # Linux moves at most ~2 GiB per read/write call
+_IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
 
 
 def fallocate(fd: int, offset: int, size: int) -> None:
@@ -635,10 +636,22 @@ def fallocate(fd: int, offset: int, size: int) -> None:
 
 
 def write_all(fd: int, chunks: Iterable[Any], pos: int) -> int:
-    """``pwrite`` every chunk (bytes-like) one after another from ``pos``; returns the bytes written."""
+    """``pwrite`` every chunk (bytes-like) one after another from ``pos``; returns the bytes written.
+
+    Chunks are written with one ``pwritev`` while they fit in one call (a small entry's prefix, header, padding
+    and data: one system call instead of four); a short write, or a chunk too large for it, goes on chunk by chunk.
+    """
     start = pos
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
+    views = [memoryview(chunk).cast("B") for chunk in chunks]
+    if 0 < len(views) <= _IOV_MAX and sum(v.nbytes for v in views) <= _IO_CHUNK:
+        written = os.pwritev(fd, views, pos)
+        pos += written
+        while views and written >= views[0].nbytes:  # drop what the one call wrote: the rest goes on below
+            written -= views[0].nbytes
+            views.pop(0)
+        if views:
+            views[0] = views[0][written:]
+    for view in views:
         while view.nbytes:
             n = os.pwrite(fd, view[:_IO_CHUNK], pos)
             pos += n

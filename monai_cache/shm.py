@@ -348,8 +348,11 @@ class SharedMemoryStore:
                 warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached",
                      CacheUnavailableWarning)
             return False
-        self._dir.counters.add({"entries": 1})
-        self._count(writes=1, bytes_written=size, bytes_encoded=size, bytes_raw=codec.item_nbytes(item))
+        # one update of the shared counters for the whole write (each costs a lock and its release)
+        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item)}
+        for k, d in done.items():
+            self._counts[k] += d
+        self._dir.counters.add({**done, "entries": 1})
         return True
 
     def _write_computed(self, i: int, item: Any) -> bool:
