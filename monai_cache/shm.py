@@ -376,8 +376,7 @@ class SharedMemoryStore:
     def _reserve_space(self, size: int) -> bool:
         used = self._dir.counters.add({"bytes": size})["bytes"]
         over_budget = self._budget is not None and used > self._budget
-        room, _free = self._dir.space_left(self._reserve)
-        if over_budget or room < size:
+        if over_budget or not self._dir.room_for(size, self._reserve):
             self._dir.counters.add({"bytes": -size})
             self._count(skipped=1)
             self._warn_full(size, "budget reached" if over_budget else "shared memory nearly full")

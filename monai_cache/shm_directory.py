@@ -41,6 +41,7 @@ import shutil
 import stat
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -78,6 +79,8 @@ STANDALONE_MIN = 1 << 20
 """Entries of this many bytes or more get a file of their own (zero-copy mappings, page rounding negligible);
 smaller ones are packed one after another into segment files, so a 16 KiB item costs 16 KiB."""
 SEGMENT_SIZE = 64 << 20
+ROOM_RECHECK_BYTES = 4 << 20  # a process writes at most this much between two looks at the tmpfs's free space
+ROOM_RECHECK_SECONDS = 0.1  # ... and looks again at least this often while it writes
 STANDALONE = 0xFFFFFFFF  # the segment number of an entry that is a file of its own
 FIELDS = (*COUNTERS, "entries", "bytes", "segments")
 """The shared counters of a cache: every store's, plus what it holds and how many segments it has made."""
@@ -298,6 +301,8 @@ class CacheDirectory:
         self._writer: tuple[int, int, int] | None = None  # (pid, segment number, fd) being appended to
         self._writing: dict[int, int] = {}  # writer fd -> threads of this process writing into it now
         self._retired: set[int] = set()  # writer fds of finished segments, closed when their last write ends
+        self._room_unchecked = 0  # bytes room_for() may let through before it asks statvfs again
+        self._room_until = 0.0
         self._write_pos = 0
         register(self, exit_order=1)  # after the disk stores have flushed (a tier may read from here)
 
@@ -439,6 +444,23 @@ class CacheDirectory:
         total = st.f_blocks * st.f_frsize
         free = st.f_bavail * st.f_frsize
         return free - (reserve if reserve is not None else min(512 << 20, total // 4)), free
+
+    def room_for(self, size: int, reserve: int | None) -> bool:
+        """Whether ``size`` more bytes fit in the tmpfs beside ``reserve`` (see :meth:`space_left`).
+
+        ``statvfs`` is asked again once this process has written up to ``ROOM_RECHECK_BYTES`` (never more than
+        the room it last saw) or after ``ROOM_RECHECK_SECONDS``: once per write, it cost a system call per small
+        entry, on which threads filling a cache queued for the GIL. What other processes write meanwhile was never
+        seen by the check anyway (it is not atomic across processes); a full tmpfs still fails the write itself.
+        """
+        left = self._room_unchecked - size  # threads may race here: the bytes let through stay within the bound
+        if left >= 0 and time.monotonic() < self._room_until:
+            self._room_unchecked = left
+            return True
+        room, _free = self.space_left(reserve)
+        self._room_unchecked = max(0, min(room, ROOM_RECHECK_BYTES) - size)
+        self._room_until = time.monotonic() + ROOM_RECHECK_SECONDS
+        return room >= size
 
     # -- joining and leaving --
     def _join(self, keep: bool) -> None:

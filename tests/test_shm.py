@@ -385,6 +385,29 @@ def test_small_tmpfs_running_out(tiny_tmpfs):
     store.release()
 
 
+def test_free_space_seen_once_is_trusted_only_within_its_bounds(tiny_tmpfs):
+    """The tmpfs's free space is looked at again after ROOM_RECHECK_BYTES of this process's writes or
+    ROOM_RECHECK_SECONDS: space that someone else takes meanwhile is then seen, and nothing more is let through."""
+    store = SharedMemoryStore("room", 4, shm_dir=tiny_tmpfs, reserve=0)
+    d, step = store._dir, 64 << 10
+    assert d.room_for(step, 0)  # a fresh look: the 4 MiB tmpfs is nearly empty
+    fd = os.open(os.path.join(tiny_tmpfs, "someone-else"), os.O_WRONLY | os.O_CREAT, 0o600)
+    with pytest.raises(OSError):  # ENOSPC: it took every block left
+        while True:
+            os.write(fd, bytes(step))
+    os.close(fd)
+    let_through = 0
+    while d.room_for(step, 0):
+        let_through += 1
+        assert let_through * step <= shm_directory.ROOM_RECHECK_BYTES, "the free space was not looked at again"
+    time.sleep(shm_directory.ROOM_RECHECK_SECONDS)
+    assert not d.room_for(step, 0)
+    os.unlink(os.path.join(tiny_tmpfs, "someone-else"))
+    time.sleep(shm_directory.ROOM_RECHECK_SECONDS)
+    assert d.room_for(step, 0)  # and freed space is seen again
+    store.release()
+
+
 def test_pickled_store_reopens_same_cache(shm_dir):
     import pickle
 
