@@ -67,6 +67,22 @@ class _EntryName:
         return f"data item {int(self.data_indices[cache_index])} (cache entry {cache_index})"
 
 
+class _FirstRandom:
+    """A chain's transforms (the tuple of its ``Compose``) and the index of its first random transform.
+
+    Slots only, no ``__dict__``: MONAI's ``set_rnd`` (which its DataLoader runs on the dataset when it is made with
+    ``num_workers=0``, and in every worker) seeds every random transform it finds in the dataset's attributes, tuples
+    included. Found here, the chain's random transforms would be seeded a second time, after ``transform``, with
+    the next seed: other random values than MONAI's.
+    """
+
+    __slots__ = ("index", "transforms")
+
+    def __init__(self, transforms: tuple, index: int | None) -> None:
+        self.transforms = transforms
+        self.index = index
+
+
 class CacheDataset(_MonaiCacheDataset):
     """MONAI's ``CacheDataset`` with one cache per machine, in shared memory.
 
@@ -151,8 +167,8 @@ class CacheDataset(_MonaiCacheDataset):
 
     _pack_entries = True
     """Whether the store packs small entries into segments (``SharedMemoryStore(pack=...)``)."""
-    _first_random: tuple[Any, int | None] | None = None
-    """``(transform.transforms, index of its first random transform)``, computed once per chain, not per read."""
+    _first_random: _FirstRandom | None = None
+    """The index of the chain's first random transform, computed once per chain, not per read."""
 
     def __init__(
         self,
@@ -475,11 +491,11 @@ class CacheDataset(_MonaiCacheDataset):
             raise ValueError("transform must be an instance of monai.transforms.Compose.")
         transforms = self.transform.transforms
         memo = self._first_random
-        if memo is not None and memo[0] is transforms:
-            first_random = memo[1]
+        if memo is not None and memo.transforms is transforms:
+            first_random = memo.index
         else:  # MONAI's Compose holds a tuple: a changed chain is a new tuple, so the index is kept with its tuple
             first_random = first_random_index(self.transform)
-            self._first_random = (transforms, first_random) if type(transforms) is tuple else None
+            self._first_random = _FirstRandom(transforms, first_random) if type(transforms) is tuple else None
         if first_random is not None:
             if not private and self.copy_cache is True:
                 data = deepcopy(data)
