@@ -187,6 +187,29 @@ def test_transform_writing_in_place_never_changes_the_cache(shm_dir, volumes):
         ds.release()
 
 
+@pytest.mark.parametrize("kw", [{}, {"runtime_cache": True}, {"runtime_cache": True, "cache_dir": "disk"}],
+                         ids=["eager", "runtime", "runtime+disk"])
+def test_thread_workers_share_the_cache_safely(shm_dir, volumes, tmp_path, kw):
+    """ThreadDataLoader(use_thread_workers=True): worker threads of one process read, compute and write the same
+    cache at once (fill threads too). A chain without random transforms: MONAI's are not thread-safe there."""
+    tr = chain(crop=None)
+    expected = [monai.data.Dataset(volumes, tr)[i] for i in range(len(volumes))]
+    args = {k: str(tmp_path / v) if k == "cache_dir" else v for k, v in kw.items()}
+    ds = monai_cache.CacheDataset(volumes, tr, progress=False, num_workers=4, **args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed write or a corrupt entry warns
+        warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # torch: 4 workers on 2 cores
+        for _epoch in range(2):
+            loader = monai.data.ThreadDataLoader(ds, batch_size=1, num_workers=4, use_thread_workers=True)
+            got = [monai.data.decollate_batch(b)[0] for b in loader]
+            assert len(got) == len(expected)
+            for e, g in zip(expected, got):
+                assert torch.equal(e["image"], g["image"]) and torch.equal(e["label"], g["label"])
+    total = ds.cache_stats()["total"]
+    assert total["writes"] == len(volumes) and total["corrupt"] == total["write_errors"] == 0
+    ds.release()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context):
     """runtime_cache=True with worker processes: MONAI caches nothing useful; ours computes each item once."""
