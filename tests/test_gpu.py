@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import assert_same
 from monai.transforms import ToDeviced
-from monai.utils.enums import TraceKeys
+from test_loader import assert_batches_equal, epochs
 
 import monai_cache
 from monai_cache.synthetic import make_dataset, tutorial_transforms
@@ -31,18 +31,6 @@ def files(tmp_path_factory):
     return make_dataset(str(tmp_path_factory.mktemp("ct")), items=4, shape=(40, 40, 24))
 
 
-def batches(loader_class: type, dataset, epochs: int = 1, **kwargs) -> list[list]:
-    torch.manual_seed(0)  # the transforms' random states, as in tests/test_loader.py
-    loader = loader_class(dataset, batch_size=2, **kwargs)
-    return [list(loader) for _ in range(epochs)]
-
-
-def assert_batches_equal(ours: list, theirs: list) -> None:
-    assert len(ours) == len(theirs) > 0
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert_same(a, b, f"batch{i}", strides=False, skip_keys=(TraceKeys.ID,))
-
-
 PIN = [{"pin_memory": True}] + ([{"pin_memory": True, "pin_memory_device": DEVICE}] if ON_GPU else [])
 
 
@@ -53,7 +41,7 @@ def test_pinned_batches_are_monais_and_kept_ones_keep_their_values(shm_dir, file
     kw = dict(num_workers=2, persistent_workers=persistent, **pin)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # on the CPU: torch has nothing to pin
-        theirs = batches(monai.data.DataLoader, dataset, **kw)[0]
+        theirs = epochs(monai.data.DataLoader, dataset, batch_size=2, **kw)[0]
         loader = monai_cache.DataLoader(dataset, batch_size=2, **kw)
         torch.manual_seed(0)
         kept = list(loader)
@@ -84,11 +72,11 @@ def test_todeviced_in_the_cached_chain_gives_monais_items_on_the_device(shm_dir,
         ours.transform.set_random_state(100 + epoch)
         got = [ours[i] for i in range(len(files))]
         for e, g in zip(expected, got):
-            assert_same(e, g, skip_keys=(TraceKeys.ID,))
+            assert_same(e, g, skip_keys=("id",))
         assert all(crop[k].device == torch.device(DEVICE) for item in got for crop in item for k in KEYS)
     # and through MONAI's ThreadDataLoader, the loader of that recipe (made with num_workers=0, it seeds the
     # transforms from torch's generator)
-    theirs = batches(monai.data.ThreadDataLoader, ref, num_workers=0)[0]
-    assert_batches_equal(batches(monai.data.ThreadDataLoader, ours, num_workers=0)[0], theirs)
+    theirs = epochs(monai.data.ThreadDataLoader, ref, batch_size=2, num_workers=0)[0]
+    assert_batches_equal(epochs(monai.data.ThreadDataLoader, ours, batch_size=2, num_workers=0)[0], theirs)
     assert ours.cache_stats()["total"]["writes"] == len(files)
     ours.release()
