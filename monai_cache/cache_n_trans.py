@@ -18,6 +18,7 @@ from monai.transforms import Compose, reset_ops_id
 from monai.utils import ensure_tuple
 from torch.serialization import DEFAULT_PROTOCOL
 
+from monai_cache import compat
 from monai_cache.persistent import PersistentDataset
 
 __all__ = ["CacheNTransDataset"]
@@ -41,6 +42,12 @@ def _checked_count(cache_n_trans: Any, transform: Sequence[Callable] | Callable 
             f"between 0 and {available}"
         )
     return count
+
+
+def _default_track_meta() -> bool | None:
+    """``track_meta=None``: as ``monai.data.get_track_meta()`` says now; with MONAI 1.3 and 1.4, whose class stores the
+    items as computed (and so keeps their metadata on hits), None: the items as computed."""
+    return get_track_meta() if compat.PERSISTENT_CONVERTS_STORED else None
 
 
 class CacheNTransDataset(_MonaiCacheNTransDataset, PersistentDataset):
@@ -100,8 +107,9 @@ class CacheNTransDataset(_MonaiCacheNTransDataset, PersistentDataset):
             This is useful for skipping the transform instance checks when inverting applied operations
             using the cached content and with re-created transform instances.
         track_meta: whether the cached items keep their metadata (``MetaTensor``) on misses and hits alike.
-            None (default): as ``monai.data.get_track_meta()`` says when the dataset is built. Not a parameter
-            of MONAI's class (see above).
+            None (default): as ``monai.data.get_track_meta()`` says when the dataset is built (with MONAI 1.3 and
+            1.4, whose class stores the items as computed: the items as computed). Not a parameter of MONAI's
+            class (see above).
         options: the keyword-only options of :class:`monai_cache.PersistentDataset` (``async_writes``,
             ``compression``, ``compression_level``, ``compression_threads``, ``downcast``, ``lossy_dtypes``,
             ``allow_pickle``, ``fsync``, ``max_pending_writes``, ``max_pending_bytes``, ``shared_dir``, and
@@ -139,7 +147,7 @@ class CacheNTransDataset(_MonaiCacheNTransDataset, PersistentDataset):
             pickle_protocol=pickle_protocol,
             hash_transform=hash_transform,
             reset_ops_id=reset_ops_id,
-            track_meta=get_track_meta() if track_meta is None else bool(track_meta),
+            track_meta=_default_track_meta() if track_meta is None else bool(track_meta),
             **options,
         )
 

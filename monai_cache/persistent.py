@@ -17,10 +17,10 @@ import torch
 from monai.data import PersistentDataset as _MonaiPersistentDataset
 from monai.data.meta_obj import get_track_meta
 from monai.data.utils import SUPPORTED_PICKLE_MOD, pickle_hashing
-from monai.utils import convert_to_tensor, look_up_option
+from monai.utils import look_up_option
 from torch.serialization import DEFAULT_PROTOCOL
 
-from monai_cache import codec
+from monai_cache import codec, compat
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DEFAULT_COMPRESSION_LEVEL, DISK_FORMAT_VERSION, StoredEntry, entry_key
 from monai_cache.fingerprint import cacheable_transforms, chain_fingerprint, fingerprint, library_versions
@@ -121,7 +121,9 @@ class PersistentDataset(_MonaiPersistentDataset):
             This is useful for skipping the transform instance checks when inverting applied operations
             using the cached content and with re-created transform instances.
         track_meta: whether to track the meta information, defaults to False. If `True`, converts to `MetaTensor`.
-            Applied on cache misses and hits alike (see above).
+            Applied on cache misses and hits alike (see above). MONAI added it in 1.6; it works with every MONAI
+            version here. With MONAI 1.3 and 1.4 the default is None: the items are stored as computed, as those
+            versions store them (``MetaTensor`` objects keep their metadata on hits too).
         weights_only: accepted for compatibility. MONAI passes it to `torch.load`; these files are never
             unpickled (see ``allow_pickle``), so loading is always restricted to tensors, arrays and plain values.
         async_writes: write cache files in a background thread (default) instead of inside ``__getitem__``.
@@ -169,7 +171,7 @@ class PersistentDataset(_MonaiPersistentDataset):
         pickle_protocol: int = DEFAULT_PROTOCOL,
         hash_transform: Callable[..., bytes] | None = None,
         reset_ops_id: bool = True,
-        track_meta: bool = False,
+        track_meta: bool | None = compat.PERSISTENT_TRACK_META_DEFAULT,
         weights_only: bool = True,
         *,
         async_writes: bool = True,
@@ -220,9 +222,12 @@ class PersistentDataset(_MonaiPersistentDataset):
             pickle_protocol=pickle_protocol,
             hash_transform=hash_transform,
             reset_ops_id=reset_ops_id,
-            track_meta=track_meta,
-            weights_only=weights_only,
+            **compat.persistent_init_kwargs(track_meta, weights_only),
         )
+        # MONAI < 1.6 has neither parameter; None (the item as computed) is MONAI 1.3/1.4's way, False from 1.5 on
+        keep_as_computed = track_meta is None and not compat.PERSISTENT_CONVERTS_STORED
+        self.track_meta = None if keep_as_computed else bool(track_meta)  # type: ignore[assignment]
+        self.weights_only = weights_only
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._variant_key()  # fingerprint the transforms now, before they run
         if self.cache_dir is not None:
@@ -315,7 +320,7 @@ class PersistentDataset(_MonaiPersistentDataset):
     def _variant_options(self) -> tuple:
         """The options that change what an entry holds, part of its name."""
         return (
-            bool(self.track_meta),
+            self.track_meta if self.track_meta is None else bool(self.track_meta),
             bool(self.reset_ops_id),
             bool(self.allow_pickle),
             tuple(sorted((k, str(v)) for k, v in self.lossy_dtypes.items())),
@@ -328,7 +333,8 @@ class PersistentDataset(_MonaiPersistentDataset):
 
     def _as_cached(self, item: Any) -> Any:
         """What both cache paths return: MONAI's stored form, rounded like the stored copy for lossy keys."""
-        item = convert_to_tensor(item, convert_numeric=False, track_meta=self.track_meta)
+        if self.track_meta is not None:  # None: stored as computed, as MONAI 1.3 and 1.4 store it
+            item = compat.to_stored_form(item, self.track_meta)
         if self.lossy_dtypes and isinstance(item, dict):
             for key, dtype in self.lossy_dtypes.items():
                 value = item.get(key)

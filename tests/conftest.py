@@ -16,6 +16,20 @@ if TESTS not in sys.path:
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def _monai_version() -> tuple[int, int]:
+    from monai_cache.compat import MONAI_VERSION
+
+    return MONAI_VERSION
+
+
+# MONAI 1.3 and 1.4's PersistentDataset reads its cache files with torch.load(path), which torch 2.6 and later
+# make weights_only=True: every hit raises UnpicklingError (MetaTensor). The tests compare our classes with MONAI's
+# as it runs on the torch it was made for, where torch.load unpickled by default: this variable restores that
+# default for calls that do not choose (ours never call torch.load).
+if _monai_version() < (1, 5):
+    os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its warning is filtered in pyproject.toml
+
+
 @pytest.fixture
 def shm_dir(monkeypatch):
     """A private, real tmpfs directory under /dev/shm for this test's caches (also for child processes)."""

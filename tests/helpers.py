@@ -203,14 +203,23 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+# Parameters a later MONAI added to a class: ours takes them, in that version's place, with an older MONAI too.
+LATER_MONAI_PARAMETERS = {"PersistentDataset": ("track_meta", "weights_only")}  # MONAI 1.6.0
+
+
 def assert_signature_extends(ours: type, theirs: type) -> list[str]:
     """``ours.__init__`` takes every parameter of ``theirs.__init__`` in the same order, kind and default, and
-    adds only keyword-only ones (or ``**options``); returns the added names."""
+    adds only keyword-only ones (or ``**options``), after the parameters a later MONAI added to the class (with an
+    older MONAI installed); returns the keyword-only additions."""
     params, monai_params = inspect.signature(ours.__init__).parameters, inspect.signature(theirs.__init__).parameters
     assert list(params)[: len(monai_params)] == list(monai_params)
     for name, p in monai_params.items():
         assert params[name].default == p.default and params[name].kind == p.kind, name
     extras = list(params)[len(monai_params) :]
+    later = [n for n in LATER_MONAI_PARAMETERS.get(theirs.__name__, ()) if n not in monai_params]
+    assert extras[: len(later)] == later, extras
+    assert all(params[n].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for n in later)
+    extras = extras[len(later) :]
     added = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
     assert extras and all(params[n].kind in added for n in extras), extras
     assert issubclass(ours, theirs)

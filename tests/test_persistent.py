@@ -20,7 +20,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from helpers import assert_signature_extends, one_torch_thread, open_for_writing  # noqa: F401 (an autouse fixture)
+from helpers import assert_signature_extends, bits, one_torch_thread, open_for_writing  # noqa: F401 (autouse)
 from monai.data import DataLoader, MetaTensor
 from monai.data import PersistentDataset as MonaiPersistentDataset
 from monai.data.utils import pickle_hashing
@@ -36,7 +36,7 @@ from monai.transforms import (
     Transform,
 )
 
-from monai_cache import disk_format, disk_writer
+from monai_cache import compat, disk_format, disk_writer
 from monai_cache.persistent import PersistentDataset
 
 FORK = multiprocessing.get_context("fork")
@@ -90,7 +90,7 @@ def same(a, b, path: str = "item", meta: bool = True) -> None:
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{b.shape}"
-        assert torch.equal(a.as_subclass(torch.Tensor), b.as_subclass(torch.Tensor)), path
+        assert torch.equal(bits(a.as_subclass(torch.Tensor)), bits(b.as_subclass(torch.Tensor))), path  # NaN == NaN
         if meta and isinstance(a, MetaTensor):
             same(dict(a.meta), dict(b.meta), path + ".meta")
             same(list(a.applied_operations), list(b.applied_operations), path + ".applied_operations")
@@ -151,9 +151,15 @@ def test_signature_is_monais_plus_keyword_only_extras():
     assert kinds == {inspect.Parameter.KEYWORD_ONLY}
 
 
-@pytest.mark.parametrize("track_meta", [False, True])
+# The track_meta values the installed MONAI's class has a meaning for: both from 1.6 on; before, its one way (1.5:
+# plain tensors; 1.3 and 1.4: the items as computed, which our default None gives there).
+MONAIS_TRACK_META = [False, True] if compat.PERSISTENT_ACCEPTS_TRACK_META else [compat.PERSISTENT_TRACK_META_DEFAULT]
+
+
+@pytest.mark.parametrize("track_meta", MONAIS_TRACK_META)
 def test_same_outputs_as_monai_on_misses_and_hits(nifti, tmp_path, track_meta):
-    monai_ds = MonaiPersistentDataset(nifti, chain(), tmp_path / "monai", track_meta=track_meta)
+    monai_kw = {"track_meta": track_meta} if compat.PERSISTENT_ACCEPTS_TRACK_META else {}
+    monai_ds = MonaiPersistentDataset(nifti, chain(), tmp_path / "monai", **monai_kw)
     ours = PersistentDataset(nifti, chain(), tmp_path / "ours", track_meta=track_meta)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -163,24 +169,43 @@ def test_same_outputs_as_monai_on_misses_and_hits(nifti, tmp_path, track_meta):
     o_hit = epoch(ours)
     stats = ours.cache_stats()["process"]
     assert stats["misses"] == len(nifti) and stats["hits"] == len(nifti) and stats["writes"] == len(nifti)
+    keeps_meta = track_meta is not False
     for i in range(len(nifti)):
         same(o_miss[i], o_hit[i], f"ours miss/hit {i}")
         same(o_hit[i], m_hit[i], f"ours/monai hit {i}")
-        same(o_miss[i], m_miss[i], f"ours/monai miss {i}", meta=track_meta)  # values always
+        same(o_miss[i], m_miss[i], f"ours/monai miss {i}", meta=keeps_meta)  # values always
     # What the random transforms receive: the same type on both of our paths.
     pre_miss = PersistentDataset(nifti, chain(), tmp_path / "pre", track_meta=track_meta)._cachecheck(nifti[0])
     pre_hit = PersistentDataset(nifti, chain(), tmp_path / "pre", track_meta=track_meta, async_writes=False)
     pre_hit._cachecheck(nifti[0])
     pre_hit = pre_hit._cachecheck(nifti[0])
-    expected = MetaTensor if track_meta else torch.Tensor
+    expected = MetaTensor if keeps_meta else torch.Tensor
     assert type(pre_miss["image"]) is expected and type(pre_hit["image"]) is expected
     same(pre_miss, pre_hit)
-    if not track_meta:  # MONAI's inconsistency that this fixes: a MetaTensor on a miss, a Tensor on a hit
+    if track_meta is False:  # MONAI's inconsistency that this fixes: a MetaTensor on a miss, a Tensor on a hit
         m = MonaiPersistentDataset(nifti, chain(), tmp_path / "monai2")
         assert type(m._cachecheck(nifti[0])["image"]) is MetaTensor
         assert type(m._cachecheck(nifti[0])["image"]) is torch.Tensor
-    else:  # MONAI 1.6.1 cannot torch.load(weights_only=True) its own MetaTensor files: it recomputes them
+    elif track_meta:  # MONAI 1.6 cannot torch.load(weights_only=True) its own MetaTensor files: it recomputes them
         assert any("Corrupt cache file" in str(w.message) for w in rec)
+
+
+@pytest.mark.parametrize("track_meta", [False, True])
+def test_track_meta_keeps_its_meaning_with_every_monai_version(nifti, tmp_path, track_meta):
+    """MONAI 1.6's ``track_meta``, also where the installed MONAI's class has no such parameter (before 1.6):
+    ``MetaTensor`` objects with their metadata, or plain tensors, on misses and hits alike, with MONAI's values."""
+    monai_first = epoch(MonaiPersistentDataset(nifti, chain(), tmp_path / "monai"))  # a miss: computed as is
+    ours = PersistentDataset(nifti, chain(), tmp_path / "ours", track_meta=track_meta, async_writes=False)
+    assert ours.track_meta is track_meta
+    o_miss, o_hit = epoch(ours), epoch(ours)
+    assert ours.cache_stats()["process"]["hits"] == len(nifti)
+    for i in range(len(nifti)):
+        same(o_miss[i], o_hit[i], f"ours miss/hit {i}")
+        same(o_hit[i], monai_first[i], f"ours/monai {i}", meta=track_meta)
+    expected = MetaTensor if track_meta else torch.Tensor
+    assert all(type(ours._cachecheck(item)["image"]) is expected for item in nifti)
+    if track_meta:
+        assert ours._cachecheck(nifti[0])["image"].meta["filename_or_obj"] == nifti[0]["image"]
 
 
 def test_dataloader_workers_flush_at_exit_and_match_monai(nifti, tmp_path, monkeypatch):
