@@ -24,6 +24,7 @@ from monai_cache import __version__, codec
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
+from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, cache_stats
 from monai_cache.shm import SharedMemoryStore
 
@@ -55,6 +56,13 @@ def _immutable_leaves(value: Any, depth: int = 0) -> bool:
     if depth < 8 and isinstance(value, (dict, list, tuple)):
         return all(_immutable_leaves(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
     return False
+
+
+# What MONAI's CacheDataset.__init__ sets before it calls set_data: fingerprinted on their own, or not content at all.
+_MONAI_ATTRIBUTES = frozenset(
+    ("data", "transform", "set_num", "set_rate", "progress", "copy_cache", "as_contiguous", "hash_as_key", "hash_func",
+     "num_workers", "runtime_cache", "cache_num", "_cache", "_hash_keys")
+)
 
 
 class _EntryName:
@@ -163,6 +171,13 @@ class CacheDataset(_MonaiCacheDataset):
         shared_dir: ``cache_dir`` is shared by several machines (or by processes that may miss the same item at
             once): an item missing everywhere is computed by one process in all (see
             ``monai_cache.PersistentDataset``).
+        process_cache: keep the items this process reads, decoded, in this process, in front of the shared-memory
+            cache. None (default): only items whose tensors are on an accelerator, which a cached chain ending with
+            ``ToDeviced`` makes (MONAI's fast-training recipe): each process copies an item to its device once and
+            keeps it there, as MONAI's ``CacheDataset`` does, instead of copying it from shared memory at every
+            read. True: every item (on the CPU, a private copy per process: MONAI's memory, and its speed of
+            reads). False: none. Items kept are copied before the random transforms as MONAI copies its cache
+            (``copy_cache``).
     """
 
     _pack_entries = True
@@ -192,11 +207,16 @@ class CacheDataset(_MonaiCacheDataset):
         cache_key: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         shared_dir: bool = False,
+        process_cache: bool | None = None,
     ) -> None:
         self._init_shared_memory(
-            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir, process_cache
         )
-        super().__init__(
+        # By name, as MONAI's own subclasses call it: in the apps datasets' MRO (ours, then MONAI's app class) a
+        # user's ``super(DecathlonDataset, self).__init__(data, transform, ...)`` lands here, and must go on to
+        # MONAI's CacheDataset, not back to the app class.
+        _MonaiCacheDataset.__init__(
+            self,
             data=data,
             transform=transform,
             cache_num=cache_num,
@@ -221,13 +241,15 @@ class CacheDataset(_MonaiCacheDataset):
         cache_key: str | None,
         cache_dir: str | os.PathLike | None = None,
         shared_dir: bool = False,
+        process_cache: bool | None = None,
     ) -> None:
         """Our options, set before MONAI's ``CacheDataset.__init__`` (which calls :meth:`set_data`). Subclasses
         whose MONAI counterpart calls ``monai.data.CacheDataset.__init__`` by name (MONAI's apps datasets) call
         this first themselves."""
         # Attributes a subclass set before this may change what _load_cache_item computes: they are part of the
-        # cache's fingerprint.
-        self._subclass_attributes = tuple(vars(self)) if type(self) is not CacheDataset else ()
+        # cache's fingerprint (MONAI's own are there already, when MONAI's __init__ ran first: see set_data).
+        own = () if type(self) is CacheDataset else vars(self)
+        self._subclass_attributes = tuple(name for name in own if name not in _MONAI_ATTRIBUTES)
         # None of these is randomizable, so MONAI's worker seeding (set_rnd walks __dict__ in order) gives the
         # transforms the same seeds as in MONAI.
         self.shared_memory = shared_memory
@@ -238,6 +260,9 @@ class CacheDataset(_MonaiCacheDataset):
         self.cache_key = cache_key
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.shared_dir = shared_dir
+        self._store: SharedMemoryStore | None = None  # the shared-memory cache (MONAI's ``_cache`` shows it)
+        self.process_cache = process_cache
+        self._process_tier = ProcessTier(process_cache)  # items kept in this process (on an accelerator)
         self._disk: DiskStore | None = None  # the disk tier (cache_dir)
         self._disk_keys: dict[int, str] = {}  # data index -> entry key on disk (a dict: set_rnd skips it)
         self._hash_index: dict[bytes, int] = {}
@@ -297,7 +322,10 @@ class CacheDataset(_MonaiCacheDataset):
         As in MONAI, call it between epochs with ``persistent_workers=False`` in the DataLoader, because
         the workers must be re-created to see the new data.
         """
+        if "_store" not in self.__dict__:  # MONAI's CacheDataset.__init__ called by name, before ours: our defaults
+            self._init_shared_memory(True, None, None, False, False, None)
         self._release_cache()
+        self._store = None
         # Each call starts a new cache: set_data(the same list) recomputes (e.g. files changed on disk) even
         # while other processes still use the old one. Ranks calling it alike share each generation.
         self._generation = getattr(self, "_generation", -1) + 1
@@ -326,9 +354,10 @@ class CacheDataset(_MonaiCacheDataset):
             disk_tier=self.cache_dir,
             pack=self._pack_entries,
         )
-        # list-like, as MONAI's runtime_cache containers; the store gives its entries back when it is collected
-        # with this dataset (the last process using them removes them)
-        self._cache = store  # type: ignore[assignment]
+        # the store gives its entries back when it is collected with this dataset (the last process using them
+        # removes them); MONAI's ``_cache`` is a view of it (the store itself: a list-like of cache_num entries)
+        self._store = store
+        self._cache = self._cache_view(store)
         self._disk_keys = {}
         if self.cache_dir is not None:
             self._disk = DiskStore.open(self.cache_dir, allow_pickle=self.allow_pickle, shared=self.shared_dir)
@@ -336,12 +365,21 @@ class CacheDataset(_MonaiCacheDataset):
             filled = self._fill_cache(indices)
             if filled is not store:  # a subclass's _fill_cache made a cache of its own: use it, as MONAI does
                 store.release()
+                self._store = None
                 self._cache = filled
 
+    def _cache_view(self, store: SharedMemoryStore) -> Any:
+        """What MONAI's ``_cache`` attribute shows of the store: for ``CacheDataset``, the store itself (entry ``k``
+        is ``_cache[k]``, as in MONAI's list)."""
+        return store
+
     def _release_cache(self) -> None:
-        cache = getattr(self, "_cache", None)
-        if isinstance(cache, SharedMemoryStore):
-            cache.release()
+        store = self.__dict__.get("_store")
+        if store is not None:
+            store.release()
+        tier = self.__dict__.get("_process_tier")
+        if tier is not None:
+            tier.clear()
 
     def _fill_cache(self, indices: Sequence[int] | None = None) -> Any:
         """Compute the cache before the first epoch (``runtime_cache=False``).
@@ -349,8 +387,8 @@ class CacheDataset(_MonaiCacheDataset):
         In shared memory the work is split with the other processes filling the same cache: an entry that
         another process is computing is skipped and waited for at the end, so none is computed twice.
         """
-        store = self._cache
-        if not isinstance(store, SharedMemoryStore):
+        store = self._store
+        if store is None:
             return super()._fill_cache(indices)
         if self.cache_num <= 0:
             return store
@@ -470,15 +508,19 @@ class CacheDataset(_MonaiCacheDataset):
         if self._cache is None:
             raise RuntimeError("cache buffer is not initialized, please call `set_data()` first.")
         data_index = int(self._cache_data_index[cache_index]) if self.hash_as_key else cache_index
-        if isinstance(self._cache, SharedMemoryStore):
-            # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
-            # so no deep copy is needed whatever copy_cache says
-            data = self._cache[cache_index]  # a hit costs one read; what a miss needs is worked out on a miss
-            if data is None:
-                data = self._cache.get_or_compute(
-                    cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
-                )
-            private = True
+        store = self._store
+        if store is not None:
+            data = self._process_tier.get(cache_index)  # kept in this process (an item on an accelerator)
+            private = data is None
+            if private:
+                # every read is a fresh copy-on-write view: random transforms cannot reach the shared copy,
+                # so no deep copy is needed whatever copy_cache says
+                data = store[cache_index]  # a hit costs one read; what a miss needs is worked out on a miss
+                if data is None:
+                    data = store.get_or_compute(
+                        cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
+                    )
+                private = not self._process_tier.offer(cache_index, data)
         else:
             data = self._cache[cache_index]
             private = False
@@ -500,6 +542,8 @@ class CacheDataset(_MonaiCacheDataset):
             if not private and self.copy_cache is True:
                 data = deepcopy(data)
             data = self.transform(data, start=first_random)
+        elif not private and store is not None and self.copy_cache is True:
+            data = deepcopy(data)  # kept in this process: what we hand out is a copy, as every other read
         return data
 
     # -- bookkeeping --
@@ -512,12 +556,18 @@ class CacheDataset(_MonaiCacheDataset):
         cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
         hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes. With a
         ``cache_dir``, ``"disk"`` holds the disk tier's counters (``misses`` above then counts items read from
-        disk or computed).
+        disk or computed). Once this process keeps items of its own (``process_cache``: items on an accelerator),
+        ``"process_cache"`` holds ``entries``, ``bytes``, ``hits`` (reads served from them, not counted above) and
+        ``device``.
         """
-        if isinstance(self._cache, SharedMemoryStore):
+        if self._store is not None:
+            stats: dict[str, Any] = self._store.stats()
             if self._disk is not None:
-                return {**self._cache.stats(), "disk": self._disk.stats()}
-            return self._cache.stats()
+                stats["disk"] = self._disk.stats()
+            tier = self._process_tier
+            if len(tier) or tier.hits:
+                stats["process_cache"] = tier.stats()
+            return stats
         counts = dict.fromkeys(COUNTERS, 0)
         counts.update(self._counts)
         held = [self._cache[i] for i in range(len(self._cache))]

@@ -12,8 +12,9 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
-from copy import copy
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from copy import copy, deepcopy
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,73 @@ from monai_cache.shm import SharedMemoryStore
 from monai_cache.shm_window import SharedWindow
 
 __all__ = ["SmartCacheDataset"]
+
+
+class CachedItems:
+    """One of MONAI's lists of cached items (``SmartCacheDataset._cache``: the window; ``_replacements``: the next
+    replacements), as a view of the shared-memory store.
+
+    Item ``k`` is the entry of data index ``indices()[k]``, decoded at each access (a private copy-on-write view, as
+    every read), or None where ``indices()`` holds None (a replacement not computed yet). ``len``, indexing,
+    negative indices, slices, iteration and ``copy.deepcopy`` behave as on MONAI's list (a slice, ``copy.copy`` and
+    ``copy.deepcopy`` give lists of items); nothing is decoded until it is asked for. An entry missing from shared
+    memory (over the budget) is computed, as the dataset's read would.
+
+    Slots only, no ``__dict__``: MONAI's ``set_rnd`` (its DataLoader's worker seeding) walks the dataset's lists, and
+    would decode every item of the window to find none random.
+
+    Args:
+        store: the dataset's shared-memory store (one entry per data item).
+        indices: gives the data indices of the list now (the window's are the owner's list, or the shared window
+            file in a DataLoader worker).
+        computer: the dataset's ``_computer`` (held weakly: the view must not keep its dataset alive).
+    """
+
+    __slots__ = ("_computer", "_indices", "_store")
+
+    def __init__(
+        self,
+        store: SharedMemoryStore,
+        indices: Callable[[], Sequence[int | None]],
+        computer: Callable[[int], Callable[[], Any]],
+    ) -> None:
+        self._store = store
+        self._indices = indices
+        self._computer = weakref.WeakMethod(computer)  # type: ignore[arg-type]
+
+    def _item(self, data_index: int | None) -> Any:
+        if data_index is None:
+            return None
+        item = self._store[data_index]
+        if item is None:
+            computer = self._computer()
+            if computer is not None:
+                item = self._store.get_or_compute(data_index, computer(data_index))
+        return item
+
+    def __len__(self) -> int:
+        return len(self._indices())
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._item(i) for i in self._indices()[index]]
+        return self._item(self._indices()[index])
+
+    def __iter__(self) -> Iterator[Any]:
+        for data_index in list(self._indices()):
+            yield self._item(data_index)
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return [deepcopy(item, memo) for item in self]
+
+    def __reduce__(self) -> tuple:  # pickled alone (not as part of its dataset, which rebuilds it): MONAI's list
+        return list, (list(self),)
+
+    def __repr__(self) -> str:
+        return f"CachedItems(data indices {list(self._indices())})"
 
 
 class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
@@ -111,6 +179,10 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
             transforms that cannot be fingerprinted consistently across processes). Datasets with the same
             key share entries, so it must change whenever the data or deterministic transforms change (the
             shuffled order is added to it).
+        process_cache: keep the items this process reads in this process too (None, the default: items on an
+            accelerator, so that a chain ending with ``ToDeviced`` keeps the window on the device as MONAI does; True:
+            every item; False: none); items that leave the window leave it too. See
+            :class:`monai_cache.CacheDataset`.
     """
 
     _pack_entries = False  # entries come and go: each in a file of its own, so that removing it frees its memory
@@ -137,13 +209,17 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
         keep_warm: bool = False,
         allow_pickle: bool = False,
         cache_key: str | None = None,
+        process_cache: bool | None = None,
     ) -> None:
         if runtime_cache is False and replace_rate <= 0:  # MONAI's check, made before filling the cache
             raise ValueError("replace_rate must be greater than 0, otherwise, please use monai.data.CacheDataset.")
-        self._init_shared_memory(shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key)
+        self._init_shared_memory(
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, process_cache=process_cache
+        )
         self.replace_rate = replace_rate
         self._shared_window: SharedWindow | None = None  # the window workers read (shared memory only)
         self._window: list[int] = []  # MONAI's list of cached items, as data indices (shared memory only)
+        self._replacement_indices: list[int | None] = []  # MONAI's replacements, as data indices (the same)
         self._previous_window: list[int] = []
         self._replace_error: BaseException | None = None
         # MONAI's __init__ reaches MONAI's CacheDataset.__init__ (not ours: this class's MRO puts MONAI's
@@ -164,16 +240,29 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
             as_contiguous=as_contiguous,
             runtime_cache=runtime_cache,
         )
+        self._show_items()  # MONAI's __init__ ends by setting _replacements to a list of its own
 
-    # -- pickling (spawned workers): a lock and a thread do not cross processes --
+    # -- pickling (spawned workers): a lock and a thread do not cross processes; views are made anew --
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_update_lock=None, _replace_mgr=None, _replace_error=None)
+        if self._store is not None:
+            state.update(_cache=None, _replacements=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._update_lock = threading.Lock()
+        self._show_items()
+
+    def _show_items(self) -> None:
+        """Point MONAI's ``_cache`` and ``_replacements`` at views of the items in shared memory."""
+        store, window = self._store, self._shared_window
+        if store is None or window is None:
+            return
+        self._cache = CachedItems(store, window.indices, self._computer)  # type: ignore[assignment]
+        replacements = self._replacement_indices
+        self._replacements = CachedItems(store, lambda: replacements, self._computer)  # type: ignore[assignment]
 
     def set_random_state(
         self, seed: int | None = None, state: np.random.RandomState | None = None
@@ -215,16 +304,18 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
         self._total_num = total
         self._replace_num = min(math.ceil(self.cache_num * self.replace_rate), total - self.cache_num)
         self._replacements = [None for _ in range(self._replace_num)]
+        self._replacement_indices = [None for _ in range(self._replace_num)]
         self._replace_data_idx = list(range(self._replace_num))
         self._start_pos = 0
         self._replace_done = False  # no replacement computed from the old data is used
         self._replace_error = None
         self._compute_data_idx()
         self._previous_window = []
-        if isinstance(self._cache, SharedMemoryStore):
+        if self._store is not None:
             self._window = list(range(max(self.cache_num, 0)))
             capacity = max(self.cache_num, self._replace_num, 0)  # MONAI's list grows to replace_num if larger
-            self._shared_window = SharedWindow(self._cache.path, capacity, self._window)
+            self._shared_window = SharedWindow(self._store.path, capacity, self._window)
+            self._show_items()
         else:
             self._window, self._shared_window = [], None
 
@@ -269,13 +360,13 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
         In shared memory, an item another rank is computing is skipped and waited for at the end: the ranks split
         the work, and each item is computed once on the machine.
         """
-        store = self._cache
-        if not isinstance(store, SharedMemoryStore):
+        store = self._store
+        if store is None:
             super()._compute_replacements()  # MONAI's: _replace_cache_thread in a pool of threads
             return
         jobs = [(data_index, data_index) for data_index in self._replace_data_idx]
         self._fill_entries(store, jobs, self.num_replace_workers, load=self._load_replacement)
-        self._replacements[:] = self._replace_data_idx
+        self._replacement_indices[:] = self._replace_data_idx
         self._replace_done = True
 
     def _replace_cache_thread(self, index: int) -> None:
@@ -314,9 +405,10 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
                 return False
             previous = list(self._window)
             # MONAI's list operations and bookkeeping, on data indices in shared memory (on items otherwise)
-            held = self._window if self._shared_window is not None else self._cache
+            shared = self._shared_window is not None
+            held: Any = self._window if shared else self._cache
             del held[: self._replace_num]
-            held.extend(self._replacements)
+            held.extend(self._replacement_indices if shared else self._replacements)
             self._start_pos += self._replace_num
             if self._start_pos >= self._total_num:
                 self._start_pos -= self._total_num
@@ -332,8 +424,9 @@ class SmartCacheDataset(CacheDataset, _MonaiSmartCacheDataset):
         """Remove the entries of the window before ``previous`` that are not in ``previous``, the current window
         or the next replacements: a rank (or worker) one update behind still finds its items."""
         keep = set(previous) | set(self._window) | set(self._replace_data_idx)
-        store = self._cache
-        if isinstance(store, SharedMemoryStore):
+        self._process_tier.keep_only(set(self._window) | set(self._replace_data_idx))  # MONAI's cache: its lists
+        store = self._store
+        if store is not None:
             for data_index in sorted(set(self._previous_window) - keep):
                 store.remove(data_index)
         self._previous_window = previous

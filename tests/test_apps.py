@@ -34,6 +34,9 @@ import monai_cache
 from monai_cache.apps import DecathlonDataset, MedNISTDataset, TciaDataset
 from monai_cache.shm import SharedMemoryStore
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 SECTIONS = ("training", "validation", "test")
 APPS = [(MedNISTDataset, monai.apps.MedNISTDataset), (DecathlonDataset, monai.apps.DecathlonDataset),
         (TciaDataset, monai.apps.TciaDataset)]  # fmt: skip
@@ -123,9 +126,13 @@ def assert_same_as_monai(ours, theirs) -> None:
 def test_signature_is_monais_plus_keyword_only_extras_and_mro(ours, theirs):
     extras = assert_signature_extends(ours, theirs)
     assert extras == list(inspect.signature(monai_cache.CacheDataset.__init__).parameters)[-len(extras) :]
-    # MONAI's explicit monai.data.CacheDataset.__init__(self, ...) reaches our set_data: ours comes first
+    # MONAI's MRO with our CacheDataset in front of MONAI's app class: a tutorial's super(App, self).__init__(data,
+    # ...) reaches our CacheDataset.__init__ (MONAI's reaches MONAI's), and MONAI's app __init__, which calls
+    # monai.data.CacheDataset.__init__(self, ...) by name, reaches our set_data
     mro = ours.__mro__
-    assert mro[1] is theirs and mro.index(monai_cache.CacheDataset) + 1 == mro.index(monai.data.CacheDataset)
+    assert mro[1:3] == (monai_cache.CacheDataset, theirs)
+    assert [c for c in mro if c not in (ours, monai_cache.CacheDataset)] == list(theirs.__mro__)
+    assert ours.set_data is monai_cache.CacheDataset.set_data
 
 
 def test_mednist_matches_monai_in_shared_memory(shm_dir, mednist_root):

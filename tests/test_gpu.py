@@ -61,12 +61,15 @@ def test_pinned_batches_are_monais_and_kept_ones_keep_their_values(shm_dir, file
 @pytest.mark.parametrize("runtime_cache", [False, True])
 def test_todeviced_in_the_cached_chain_gives_monais_items_on_the_device(shm_dir, files, runtime_cache):
     """MONAI's fast-training recipe: the cached chain ends by moving the item to the device; the random crop
-    then runs there. The shared-memory cache holds host bytes and gives device tensors back."""
+    then runs there. The shared-memory cache holds the host bytes, once per machine; each process copies an item
+    to its device once, at its first read, and keeps it there as MONAI does (on a GPU by default; on the CPU
+    ``process_cache=True`` takes the same path)."""
     chain = tutorial_transforms(spatial_size=CROP, after=[ToDeviced(keys=KEYS, device=DEVICE)])
     kw = dict(transform=chain, progress=False, runtime_cache=runtime_cache)
     ref = monai.data.CacheDataset(files, **kw)
-    ours = monai_cache.CacheDataset(files, **kw)
-    for epoch in range(2):  # a miss, then a hit, for the runtime cache
+    ours = monai_cache.CacheDataset(files, **kw, **({} if ON_GPU else {"process_cache": True}))
+    read_from_shared_memory = None
+    for epoch in range(3):  # a miss (runtime cache), then hits
         ref.transform.set_random_state(100 + epoch)
         expected = [ref[i] for i in range(len(files))]
         ours.transform.set_random_state(100 + epoch)
@@ -74,9 +77,18 @@ def test_todeviced_in_the_cached_chain_gives_monais_items_on_the_device(shm_dir,
         for e, g in zip(expected, got):
             assert_same(e, g, skip_keys=("id",))
         assert all(crop[k].device == torch.device(DEVICE) for item in got for crop in item for k in KEYS)
+        stats = ours.cache_stats()
+        # the first epoch reads each item from shared memory once (copied to the device once); then none
+        read_from_shared_memory = read_from_shared_memory or stats["process"]["bytes_read"]
+        assert stats["process"]["bytes_read"] == read_from_shared_memory
+        tier = stats["process_cache"]
+        assert tier["entries"] == len(files) and tier["hits"] == epoch * len(files)
+        assert tier["device"] == str(torch.device(DEVICE))
+    kept = [ours._process_tier.get(i) for i in range(len(files))]
+    assert all(item[k].device == torch.device(DEVICE) for item in kept for k in KEYS)
     # and through MONAI's ThreadDataLoader, the loader of that recipe (made with num_workers=0, it seeds the
     # transforms from torch's generator)
     theirs = epochs(monai.data.ThreadDataLoader, ref, batch_size=2, num_workers=0)[0]
     assert_batches_equal(epochs(monai.data.ThreadDataLoader, ours, batch_size=2, num_workers=0)[0], theirs)
-    assert ours.cache_stats()["total"]["writes"] == len(files)
+    assert ours.cache_stats()["total"]["writes"] == len(files)  # computed and stored once on the machine
     ours.release()

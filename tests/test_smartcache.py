@@ -23,6 +23,9 @@ from test_codec import assert_same
 import monai_cache
 from monai_cache.shm_window import SharedWindow
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "smartcache_rank.py")
 
 
@@ -83,7 +86,7 @@ def test_smartcache_handler_drives_it_in_an_ignite_run(shm_dir, shared_memory):
     kw = dict(replace_rate=0.25, cache_num=4, seed=2, progress=False)
     ours = monai_cache.SmartCacheDataset(numbered(10), shared_memory=shared_memory, **kw)
     assert epochs(ours) == epochs(monai.data.SmartCacheDataset(numbered(10), **kw))
-    assert isinstance(ours._cache, monai_cache.SharedMemoryStore) == shared_memory
+    assert isinstance(ours._store, monai_cache.SharedMemoryStore) == shared_memory
     assert not ours.is_started()  # the handler shut it down
 
 
@@ -162,7 +165,7 @@ def test_entries_leave_shared_memory_one_update_after_the_window(shm_dir):
     n, cache_num = 10, 4  # replace_num 1
     ds = monai_cache.SmartCacheDataset(numbered(n), replace_rate=0.25, cache_num=cache_num, shuffle=False,
                                        progress=False)
-    store = ds._cache
+    store = ds._store
     ds.start()
     for update in range(1, 6):
         ds.update_cache()
@@ -173,7 +176,7 @@ def test_entries_leave_shared_memory_one_update_after_the_window(shm_dir):
         assert ds.cache_stats()["stored"]["entries"] == cache_num + 2
         ds.start()
     ds.shutdown()
-    path = ds._cache.path
+    path = ds._store.path
     # each entry is a file of its own, so a removed one gives its memory back (no segment keeps its bytes)
     files = {name for name in os.listdir(path) if name.endswith(".e") or name.startswith("s.")}
     assert files == {f"{i}.e" for i in held}

@@ -1,29 +1,33 @@
 """MONAI's apps datasets on the shared-memory cache: thin glue over :class:`monai_cache.CacheDataset`.
 
-Each class subclasses MONAI's (which lists, downloads and splits the data, then calls
-``monai.data.CacheDataset.__init__(self, ...)`` by name) and ours, which comes after it in the MRO
-(``ours.App, monai.App, Randomizable, ..., monai_cache.CacheDataset, monai.data.CacheDataset``): MONAI's call
-reaches our ``set_data``, which builds the cache in shared memory. Our options are set first, by
-:meth:`monai_cache.CacheDataset._init_shared_memory`.
+Each class subclasses ours and MONAI's (which lists, downloads and splits the data, then calls
+``monai.data.CacheDataset.__init__(self, ...)`` by name), in that order, so that the MRO is MONAI's with our
+``CacheDataset`` in front of MONAI's app class: ``ours.App, monai_cache.CacheDataset, monai.App, Randomizable, ...,
+monai.data.CacheDataset``. Our ``__init__`` sets our options (:meth:`monai_cache.CacheDataset._init_shared_memory`)
+and calls MONAI's app ``__init__`` by name; MONAI's call reaches our ``set_data``, which builds the cache in shared
+memory. A user's subclass that skips the app's download logic the way MONAI's tutorials do,
+``super(DecathlonDataset, self).__init__(data, transform, cache_rate=...)``, reaches our ``CacheDataset.__init__``,
+as with MONAI's classes it reaches MONAI's.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 from monai.apps import DecathlonDataset as _MonaiDecathlonDataset
 from monai.apps import MedNISTDataset as _MonaiMedNISTDataset
 from monai.apps import TciaDataset as _MonaiTciaDataset
-from monai.apps.tcia import DCM_FILENAME_REGEX
-from monai.config.type_definitions import PathLike
 
 from monai_cache.dataset import CacheDataset
 
 __all__ = ["DecathlonDataset", "MedNISTDataset", "TciaDataset"]
 
 SECTIONS = ("training", "validation", "test")
+
+_OPTIONS = [p for p in inspect.signature(CacheDataset.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+"""Our keyword-only options (``shared_memory``, ``shm_dir``, ...): :class:`monai_cache.CacheDataset`'s."""
 
 
 def _check_section(section: str) -> None:
@@ -33,7 +37,29 @@ def _check_section(section: str) -> None:
         raise ValueError(f"Unsupported section: {section!r}, available options are {list(SECTIONS)}.")
 
 
-class MedNISTDataset(_MonaiMedNISTDataset, CacheDataset):
+def _app_init(monai_app: type) -> Callable[..., None]:
+    """The ``__init__`` of our counterpart of ``monai_app``: the installed MONAI's parameters, in its order and with its
+    defaults (they change between versions: ``TciaDataset`` has ``fname_regex`` from MONAI 1.4 on), then our options,
+    keyword-only. It sets our options, then runs MONAI's ``__init__``, which calls ``monai.data.CacheDataset.__init__``
+    by name and so reaches our ``set_data``."""
+    monai_signature = inspect.signature(monai_app.__init__)  # type: ignore[misc]
+
+    def __init__(self: CacheDataset, *args: Any, **kwargs: Any) -> None:
+        options = {p.name: kwargs.pop(p.name, p.default) for p in _OPTIONS}
+        bound = monai_signature.bind(self, *args, **kwargs)  # MONAI's TypeError for an argument it does not take
+        bound.apply_defaults()
+        _check_section(bound.arguments["section"])
+        self._init_shared_memory(**options)
+        monai_app.__init__(self, *args, **kwargs)  # type: ignore[misc]
+
+    __init__.__signature__ = monai_signature.replace(  # type: ignore[attr-defined]
+        parameters=[*monai_signature.parameters.values(), *_OPTIONS]
+    )
+    __init__.__qualname__ = f"{monai_app.__name__}.__init__"
+    return __init__
+
+
+class MedNISTDataset(CacheDataset, _MonaiMedNISTDataset):
     """MONAI's ``MedNISTDataset`` with its cache in shared memory, one copy per machine.
 
     Every argument of :class:`monai.apps.MedNISTDataset` keeps its meaning (``download=True`` downloads as MONAI
@@ -77,61 +103,18 @@ class MedNISTDataset(_MonaiMedNISTDataset, CacheDataset):
         cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
             so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
         shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
+        process_cache: keep the items this process reads in this process too (None, the default: items on an
+            accelerator; see :class:`monai_cache.CacheDataset`).
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, or ``section`` is not one of the three.
         RuntimeError: When ``dataset_dir`` doesn't exist and downloading is not selected (``download=False``).
     """
 
-    def __init__(
-        self,
-        root_dir: PathLike,
-        section: str,
-        transform: Sequence[Callable] | Callable = (),
-        download: bool = False,
-        seed: int = 0,
-        val_frac: float = 0.1,
-        test_frac: float = 0.1,
-        cache_num: int = sys.maxsize,
-        cache_rate: float = 1.0,
-        num_workers: int | None = 1,
-        progress: bool = True,
-        copy_cache: bool = True,
-        as_contiguous: bool = True,
-        runtime_cache: bool | str = False,
-        *,
-        shared_memory: bool = True,
-        shm_dir: str | None = None,
-        shm_budget: int | str | None = None,
-        keep_warm: bool = False,
-        allow_pickle: bool = False,
-        cache_key: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        shared_dir: bool = False,
-    ) -> None:
-        _check_section(section)
-        self._init_shared_memory(
-            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
-        )
-        super().__init__(
-            root_dir=root_dir,
-            section=section,
-            transform=transform,
-            download=download,
-            seed=seed,
-            val_frac=val_frac,
-            test_frac=test_frac,
-            cache_num=cache_num,
-            cache_rate=cache_rate,
-            num_workers=num_workers,
-            progress=progress,
-            copy_cache=copy_cache,
-            as_contiguous=as_contiguous,
-            runtime_cache=runtime_cache,  # type: ignore[arg-type]
-        )
+    __init__ = _app_init(_MonaiMedNISTDataset)
 
 
-class DecathlonDataset(_MonaiDecathlonDataset, CacheDataset):
+class DecathlonDataset(CacheDataset, _MonaiDecathlonDataset):
     """MONAI's ``DecathlonDataset`` (Medical Segmentation Decathlon) with its cache in shared memory.
 
     Every argument of :class:`monai.apps.DecathlonDataset` keeps its meaning, and ``get_indices()``,
@@ -181,6 +164,8 @@ class DecathlonDataset(_MonaiDecathlonDataset, CacheDataset):
         cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
             so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
         shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
+        process_cache: keep the items this process reads in this process too (None, the default: items on an
+            accelerator; see :class:`monai_cache.CacheDataset`).
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, ``section`` is not one of the three, or ``task`` is
@@ -188,55 +173,10 @@ class DecathlonDataset(_MonaiDecathlonDataset, CacheDataset):
         RuntimeError: When ``dataset_dir`` doesn't exist and downloading is not selected (``download=False``).
     """
 
-    def __init__(
-        self,
-        root_dir: PathLike,
-        task: str,
-        section: str,
-        transform: Sequence[Callable] | Callable = (),
-        download: bool = False,
-        seed: int = 0,
-        val_frac: float = 0.2,
-        cache_num: int = sys.maxsize,
-        cache_rate: float = 1.0,
-        num_workers: int = 1,
-        progress: bool = True,
-        copy_cache: bool = True,
-        as_contiguous: bool = True,
-        runtime_cache: bool | str = False,
-        *,
-        shared_memory: bool = True,
-        shm_dir: str | None = None,
-        shm_budget: int | str | None = None,
-        keep_warm: bool = False,
-        allow_pickle: bool = False,
-        cache_key: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        shared_dir: bool = False,
-    ) -> None:
-        _check_section(section)
-        self._init_shared_memory(
-            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
-        )
-        super().__init__(
-            root_dir=root_dir,
-            task=task,
-            section=section,
-            transform=transform,
-            download=download,
-            seed=seed,
-            val_frac=val_frac,
-            cache_num=cache_num,
-            cache_rate=cache_rate,
-            num_workers=num_workers,
-            progress=progress,
-            copy_cache=copy_cache,
-            as_contiguous=as_contiguous,
-            runtime_cache=runtime_cache,  # type: ignore[arg-type]
-        )
+    __init__ = _app_init(_MonaiDecathlonDataset)
 
 
-class TciaDataset(_MonaiTciaDataset, CacheDataset):
+class TciaDataset(CacheDataset, _MonaiTciaDataset):
     """MONAI's ``TciaDataset`` (The Cancer Imaging Archive) with its cache in shared memory.
 
     Every argument of :class:`monai.apps.TciaDataset` keeps its meaning (as in MONAI, ``cache_rate`` defaults to
@@ -264,7 +204,7 @@ class TciaDataset(_MonaiTciaDataset, CacheDataset):
             (0x0020,0x000D), (0x0010,0x0010), (0x0010,0x0020), (0x0020,0x0011), (0x0020,0x0012)].
         fname_regex: a regular expression to match the file names when the input is a folder.
             If provided, only the matched files will be included. Default to `"^(?!.*LICENSE).*"`, ignoring any
-            file name containing `"LICENSE"`.
+            file name containing `"LICENSE"`. MONAI 1.4 and later (as with MONAI's class, not taken with 1.3).
         seed: random seed to randomly shuffle the datalist before splitting into training and validation,
             default is 0. note to set same seed for `training` and `validation` sections.
         val_frac: percentage of validation fraction in the whole dataset, default is 0.2.
@@ -293,78 +233,12 @@ class TciaDataset(_MonaiTciaDataset, CacheDataset):
         cache_dir: a directory where the cached items are also kept on disk, a second tier behind shared memory,
             so that the next run starts warm (see :class:`monai_cache.CacheDataset`).
         shared_dir: ``cache_dir`` is shared by several machines: an item missing everywhere is computed once.
+        process_cache: keep the items this process reads in this process too (None, the default: items on an
+            accelerator; see :class:`monai_cache.CacheDataset`).
 
     Raises:
         ValueError: When ``root_dir`` is not a directory, or ``section`` is not one of the three.
         RuntimeError: When the collection's directory doesn't exist and downloading is not selected.
     """
 
-    def __init__(
-        self,
-        root_dir: PathLike,
-        collection: str,
-        section: str,
-        transform: Sequence[Callable] | Callable = (),
-        download: bool = False,
-        download_len: int = -1,
-        seg_type: str = "SEG",
-        modality_tag: tuple = (0x0008, 0x0060),
-        ref_series_uid_tag: tuple = (0x0020, 0x000E),
-        ref_sop_uid_tag: tuple = (0x0008, 0x1155),
-        specific_tags: tuple = (
-            (0x0008, 0x1115),  # Referenced Series Sequence
-            (0x0008, 0x1140),  # Referenced Image Sequence
-            (0x3006, 0x0010),  # Referenced Frame of Reference Sequence
-            (0x0020, 0x000D),  # Study Instance UID
-            (0x0010, 0x0010),  # Patient's Name
-            (0x0010, 0x0020),  # Patient ID
-            (0x0020, 0x0011),  # Series Number
-            (0x0020, 0x0012),  # Acquisition Number
-        ),
-        fname_regex: str = DCM_FILENAME_REGEX,
-        seed: int = 0,
-        val_frac: float = 0.2,
-        cache_num: int = sys.maxsize,
-        cache_rate: float = 0.0,
-        num_workers: int = 1,
-        progress: bool = True,
-        copy_cache: bool = True,
-        as_contiguous: bool = True,
-        runtime_cache: bool | str = False,
-        *,
-        shared_memory: bool = True,
-        shm_dir: str | None = None,
-        shm_budget: int | str | None = None,
-        keep_warm: bool = False,
-        allow_pickle: bool = False,
-        cache_key: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        shared_dir: bool = False,
-    ) -> None:
-        _check_section(section)
-        self._init_shared_memory(
-            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir
-        )
-        super().__init__(
-            root_dir=root_dir,
-            collection=collection,
-            section=section,
-            transform=transform,
-            download=download,
-            download_len=download_len,
-            seg_type=seg_type,
-            modality_tag=modality_tag,
-            ref_series_uid_tag=ref_series_uid_tag,
-            ref_sop_uid_tag=ref_sop_uid_tag,
-            specific_tags=specific_tags,
-            fname_regex=fname_regex,
-            seed=seed,
-            val_frac=val_frac,
-            cache_num=cache_num,
-            cache_rate=cache_rate,
-            num_workers=num_workers,
-            progress=progress,
-            copy_cache=copy_cache,
-            as_contiguous=as_contiguous,
-            runtime_cache=runtime_cache,  # type: ignore[arg-type]
-        )
+    __init__ = _app_init(_MonaiTciaDataset)

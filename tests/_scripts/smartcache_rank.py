@@ -45,7 +45,7 @@ def main() -> None:
     ds.shutdown()
     dist.barrier()
     stats = ds.cache_stats()
-    print(json.dumps({"rank": rank, "rounds": seen, "stored": stats["stored"], "path": ds._cache.path}), flush=True)
+    print(json.dumps({"rank": rank, "rounds": seen, "stored": stats["stored"], "path": ds._store.path}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
