@@ -7,6 +7,7 @@ on monai-weekly as well as on the current release (``docs/compatibility.md`` has
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -26,12 +27,10 @@ SUPPORTED = ((1, 3), (1, 7))
 
 
 def version_tuple(version: str) -> tuple[int, int]:
-    """``"1.7.dev2643"`` -> ``(1, 7)``; ``"1.3.0+12.gabc"`` -> ``(1, 3)``; anything else -> ``(0, 0)``."""
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return 0, 0
+    """``"1.7.dev2643"`` -> ``(1, 7)``; ``"1.3.0+12.gabc"`` -> ``(1, 3)``; ``"1.10rc1"`` -> ``(1, 10)``; anything
+    else -> ``(0, 0)``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def _installed() -> tuple[int, int]:

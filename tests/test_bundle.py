@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 

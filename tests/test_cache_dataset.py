@@ -18,6 +18,9 @@ from test_codec import assert_same
 
 import monai_cache
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 
 def without_ids(x):
     """Applied-operation records carry id(transform); equal chains built twice differ only there."""

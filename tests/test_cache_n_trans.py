@@ -28,6 +28,9 @@ from test_persistent import same
 import monai_cache
 from monai_cache import CacheNTransDataset, compat
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 
 @pytest.fixture(scope="module")
 def nifti(tmp_path_factory) -> list[dict]:

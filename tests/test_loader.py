@@ -32,6 +32,9 @@ from monai_cache.runtime import pid_alive
 from monai_cache.sampler import ShardedDistributedSampler
 from monai_cache.synthetic import make_dataset, tutorial_transforms
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
 SHAPE = (40, 40, 24)
 CROP = (16, 16, 8)

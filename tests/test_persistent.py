@@ -39,6 +39,9 @@ from monai.transforms import (
 from monai_cache import compat, disk_format, disk_writer
 from monai_cache.persistent import PersistentDataset
 
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
 FORK = multiprocessing.get_context("fork")
 KEYS = ("image", "label")
 
