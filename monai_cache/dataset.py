@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import warnings
@@ -25,7 +24,7 @@ from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
 from monai_cache.process_tier import ProcessTier
-from monai_cache.runtime import COUNTERS, cache_stats
+from monai_cache.runtime import COUNTERS, cache_stats, release_freed_memory
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -36,14 +35,6 @@ except ImportError:  # pragma: no cover
     _has_tqdm = False
 
 __all__ = ["CacheDataset"]
-
-
-def _release_freed_memory() -> None:
-    """Give the heap freed by filling the cache back to the OS (glibc keeps ~100 MiB per filling process)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 _IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), os.PathLike)
@@ -399,7 +390,7 @@ class CacheDataset(_MonaiCacheDataset):
 
         # Only the entries not cached yet: a process joining a filled cache starts at once.
         self._fill_entries(store, self._fill_jobs(store, indices), self.num_workers, self.progress and _has_tqdm)
-        _release_freed_memory()
+        release_freed_memory(force=True)  # what filling freed (glibc keeps ~100 MiB per filling process)
         return store
 
     def _fill_entries(

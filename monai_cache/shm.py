@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from monai_cache.capacity import Fit, advice, projected_bytes
 from monai_cache.errors import (
     CacheFullWarning,
     CacheUnavailableWarning,
@@ -40,9 +41,12 @@ from monai_cache.errors import (
     UncachedItemWarning,
     warn,
 )
-from monai_cache.runtime import COUNTERS, OFDLock, cache_stats
+from monai_cache.memory_limits import MachineMemory, read_machine
+from monai_cache.runtime import COUNTERS, OFDLock, cache_stats, freed_large_item, release_freed_memory
 from monai_cache.shm_directory import (
+    FLAG_WARNED_BUDGET,
     FLAG_WARNED_FULL,
+    FLAG_WARNED_PROJECTION,
     FLAG_WARNED_UNSUPPORTED,
     STANDALONE,
     STANDALONE_MIN,
@@ -116,6 +120,7 @@ class SharedMemoryStore:
         "_length",
         "_pack",
         "_pid",
+        "_projected",
         "_released",
         "_removed",
         "_reported",
@@ -167,6 +172,26 @@ class SharedMemoryStore:
         self._reported: set[int] = set()
         self._unsupported: set[int] = set()  # entries whose item the codec cannot store: computed on each read
         self._released = False
+        self._projected: set[int] = set()  # entry counts at which this process projected the cache's size
+        if self._budget is not None:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """An explicit ``shm_budget`` overrides the machine's limits: say once if it is above what the machine offers
+        (past that, a memory cgroup's OOM killer ends the job, or the tmpfs fills)."""
+        machine = read_machine(self._dir.path)
+        room, limit = machine.room(self._reserve)
+        held = self._dir.counters.snapshot()["bytes"]
+        budget = int(self._budget or 0)
+        if budget > held + max(room, 0) and _is_local_lead() and self._dir.counters.first(FLAG_WARNED_BUDGET):
+            warn(
+                f"shm_budget={format_bytes(budget)} is more than the machine offers this cache now: "
+                f"{format_bytes(held + max(room, 0))} by {limit} ({self._machine_summary(machine)}). An explicit "
+                "shm_budget overrides those limits: past them a container's memory limit ends the job (OOM kill) or "
+                "the tmpfs fills. Leave shm_budget=None to stay within them.",
+                CacheFullWarning,
+                stacklevel=4,
+            )
 
     # -- pickling: a spawned DataLoader worker reopens the cache (and holds its own lease while it lives) --
     def __reduce__(self) -> tuple:
@@ -324,6 +349,8 @@ class SharedMemoryStore:
 
         enc = codec.encode(item, allow_pickle=self._allow_pickle)
         size = enc.nbytes
+        if size >= STANDALONE_MIN:
+            freed_large_item()  # computed, and freed once the caller is done with it
         if not self._reserve_space(size):
             return False
         # The data CRC costs a pass over every byte written (about 5 ms for a 19 MB volume): it is recorded only
@@ -352,7 +379,9 @@ class SharedMemoryStore:
         done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item)}
         for k, d in done.items():
             self._counts[k] += d
-        self._dir.counters.add({**done, "entries": 1})
+        entries = self._dir.counters.add({**done, "entries": 1})["entries"]
+        if entries & (entries - 1) == 0 and entries >= min(4, self._length):  # 4, 8, 16, ...: see _check_projection
+            self._check_projection()
         return True
 
     def _write_computed(self, i: int, item: Any) -> bool:
@@ -376,28 +405,74 @@ class SharedMemoryStore:
     def _reserve_space(self, size: int) -> bool:
         used = self._dir.counters.add({"bytes": size})["bytes"]
         over_budget = self._budget is not None and used > self._budget
-        if over_budget or not self._dir.room_for(size, self._reserve):
+        # with no budget, the memory the machine has is the budget: the tmpfs, the memory cgroup, MemAvailable
+        if over_budget or not self._dir.room_for(size, self._reserve, memory=self._budget is None):
             self._dir.counters.add({"bytes": -size})
             self._count(skipped=1)
-            self._warn_full(size, "budget reached" if over_budget else "shared memory nearly full")
+            self._warn_full(size, "shm_budget reached" if over_budget else f"no room left by {self._dir.limiting}")
             return False
         return True
 
+    def _machine_summary(self, machine: MachineMemory) -> str:
+        """What the machine offers, in words, for the warnings."""
+        parts = [f"{format_bytes(machine.tmpfs_free)} of {format_bytes(machine.tmpfs_total)} free in {self._shm_dir}"]
+        if machine.cgroup is not None:
+            parts.append(
+                f"a memory cgroup limit of {format_bytes(machine.cgroup.limit)} with "
+                f"{format_bytes(machine.cgroup.working_set)} in use"
+            )
+        if machine.mem_available is not None:
+            parts.append(f"{format_bytes(machine.mem_available)} of memory available")
+        return "; ".join(parts)
+
     def _warn_full(self, size: int, why: str) -> None:
-        if not self._dir.counters.first(FLAG_WARNED_FULL):
+        # one warning per cache: none if the early warning (_check_projection) said already that it will not fit
+        if not self._dir.counters.first(FLAG_WARNED_FULL) or self._dir.counters.flagged(FLAG_WARNED_PROJECTION):
             return
-        st = os.statvfs(self._dir.path)
-        used = self._dir.counters.snapshot()["bytes"]
-        budget = "no budget set" if self._budget is None else f"budget {format_bytes(self._budget)}"
+        snapshot = self._dir.counters.snapshot()
+        used, entries = snapshot["bytes"], snapshot["entries"]
+        machine = read_machine(self._dir.path)
+        needed = max(projected_bytes(entries, used, self._length), used + size)
+        budget = "no shm_budget set" if self._budget is None else f"shm_budget {format_bytes(self._budget)}"
         warn(
-            f"the shared-memory cache is full ({why}): it holds {format_bytes(used)} ({budget}); "
-            f"{format_bytes(st.f_bavail * st.f_frsize)} of {format_bytes(st.f_blocks * st.f_frsize)} are free in "
-            f"{self._shm_dir}, and the next entry needs {format_bytes(size)}. Further items are served uncached. "
-            "To cache more, raise shm_budget, or give the machine more shared memory "
-            "(Docker: docker run --shm-size=16g ...; Kubernetes: an emptyDir volume with medium: Memory at "
-            "/dev/shm), or point shm_dir / $MONAI_CACHE_SHM_DIR at a larger tmpfs.",
+            f"the shared-memory cache is full ({why}): it holds {format_bytes(used)} in {entries} entries ({budget}); "
+            f"the machine offers {self._machine_summary(machine)}; the next entry needs {format_bytes(size)}, and "
+            f"all {self._length} entries about {format_bytes(needed)}. Further items are served uncached. To cache "
+            "them all: " + "; ".join(advice(needed, machine, held=used)) + " (`monai-cache plan` tells before a run).",
             CacheFullWarning,
             stacklevel=4,
+        )
+
+    def _check_projection(self) -> None:
+        """The early warning: once the first entries are stored (4, then 8, 16, ...: as more are seen the projection
+        gets better), project the bytes of all entries and say once, in this machine's rank 0 (its main process or a
+        DataLoader worker of it), if they will not fit in what the machine offers."""
+        if not _is_local_lead():
+            return
+        snapshot = self._dir.counters.snapshot()
+        entries, used = snapshot["entries"], snapshot["bytes"]
+        if entries in self._projected:
+            return
+        self._projected.add(entries)
+        needed = projected_bytes(entries, used, self._length)
+        machine = read_machine(self._dir.path, memory=self._budget is None)
+        room, limit = machine.room(self._reserve)
+        if self._budget is not None and self._budget - used < room:
+            room, limit = self._budget - used, f"shm_budget ({format_bytes(self._budget)})"
+        verdict = Fit(needed, used, room, limit)
+        if verdict.fits or self._dir.counters.flagged(FLAG_WARNED_FULL):
+            return
+        if not self._dir.counters.first(FLAG_WARNED_PROJECTION):
+            return
+        warn(
+            f"this shared-memory cache will not fit: its {self._length} entries need about {format_bytes(needed)} "
+            f"(projected from the first {entries}, {format_bytes(used)}), and {limit} leaves room for "
+            f"{format_bytes(used + max(room, 0))} (the machine offers {self._machine_summary(machine)}). About "
+            f"{verdict.cache_rate:.0%} of the items will be cached; the others are computed on every read, with no "
+            "further warning. To cache them all: " + "; ".join(advice(needed, machine, used))
+            + ".",
+            CacheFullWarning,
+            stacklevel=5,
         )
 
     def get_or_compute(self, index: int, compute: Callable[[], Any], reuse_computed: bool = False) -> Any:
@@ -443,6 +518,7 @@ class SharedMemoryStore:
             if item is not _MISSING:
                 return item
             self._count(misses=1)
+            release_freed_memory()  # the last large item this process computed, freed since: see runtime
             value = compute()
             computed.append(value)
             if not self._write_computed(i, value) or reuse:
@@ -471,6 +547,7 @@ class SharedMemoryStore:
         try:
             if not self.contains(i):
                 self._count(misses=1)
+                release_freed_memory()
                 self._write_computed(i, compute())
         finally:
             lock.release()
@@ -542,6 +619,13 @@ class SharedMemoryStore:
         """
         for i in range(self._length):
             self.remove(i)
+
+
+def _is_local_lead() -> bool:
+    """Whether this process belongs to this machine's rank 0 (torchrun's ``LOCAL_RANK``, else ``RANK``; any process
+    outside torchrun), its DataLoader workers included: the early warnings are given there, not by every rank."""
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    return rank.strip() in ("", "0")
 
 
 def _attach(

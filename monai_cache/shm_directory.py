@@ -46,6 +46,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from monai_cache.memory_limits import read_machine
 from monai_cache.runtime import (
     COUNTERS,
     SharedCounters,
@@ -87,6 +88,8 @@ FIELDS = (*COUNTERS, "entries", "bytes", "segments")
 MAGIC = 0x4D43535433  # "MCST3": this layout (32-byte index slots, runtime.SharedCounters stats)
 FLAG_WARNED_FULL = 1
 FLAG_WARNED_UNSUPPORTED = 2
+FLAG_WARNED_PROJECTION = 4  # the early warning of a cache that will not fit
+FLAG_WARNED_BUDGET = 8  # an explicit shm_budget above what the machine offers
 # segment, tag (CRC-32 of the entry's size, checksums and number), byte offset, length, reserved, CRC-32 of the slot
 _SLOT = struct.Struct("<IIQQII")
 SLOT_SIZE = _SLOT.size
@@ -303,6 +306,7 @@ class CacheDirectory:
         self._retired: set[int] = set()  # writer fds of finished segments, closed when their last write ends
         self._room_unchecked = 0  # bytes room_for() may let through before it asks statvfs again
         self._room_until = 0.0
+        self.limiting = ""  # the limit room_for() last found too tight
         self._write_pos = 0
         register(self, exit_order=1)  # after the disk stores have flushed (a tier may read from here)
 
@@ -437,27 +441,33 @@ class CacheDirectory:
             os.close(fd)
         os.rename(tmp, path)
 
-    def space_left(self, reserve: int | None) -> tuple[int, int]:
-        """``(bytes that may still be used, bytes free)`` on the tmpfs, leaving ``reserve`` (default: the smaller
-        of 512 MiB and a quarter of its size) for others: DataLoader workers pass batches through it."""
-        st = os.statvfs(self.path)
-        total = st.f_blocks * st.f_frsize
-        free = st.f_bavail * st.f_frsize
-        return free - (reserve if reserve is not None else min(512 << 20, total // 4)), free
+    def space_left(self, reserve: int | None, memory: bool = False) -> tuple[int, str]:
+        """``(bytes that may still be used, the limit that says so)``: the tmpfs's free space less ``reserve``
+        (default: the smaller of 512 MiB and a quarter of its size; DataLoader workers pass batches through it) and,
+        with ``memory``, the memory cgroup's room and ``MemAvailable``, each less a reserve for the training processes
+        (:func:`monai_cache.memory_limits.memory_reserve`): tmpfs pages are memory, charged to the cgroup of the
+        process that writes them."""
+        machine = read_machine(self.path, memory=memory)
+        if memory:
+            return machine.room(reserve)
+        name, room = machine.limits(reserve)[0]
+        return room, name
 
-    def room_for(self, size: int, reserve: int | None) -> bool:
-        """Whether ``size`` more bytes fit in the tmpfs beside ``reserve`` (see :meth:`space_left`).
+    def room_for(self, size: int, reserve: int | None, memory: bool = False) -> bool:
+        """Whether ``size`` more bytes fit beside ``reserve`` (see :meth:`space_left`); when they do not,
+        :attr:`limiting` names the limit.
 
-        ``statvfs`` is asked again once this process has written up to ``ROOM_RECHECK_BYTES`` (never more than
-        the room it last saw) or after ``ROOM_RECHECK_SECONDS``: once per write, it cost a system call per small
-        entry, on which threads filling a cache queued for the GIL. What other processes write meanwhile was never
-        seen by the check anyway (it is not atomic across processes); a full tmpfs still fails the write itself.
+        The limits are read again once this process has written up to ``ROOM_RECHECK_BYTES`` (never more than the
+        room it last saw) or after ``ROOM_RECHECK_SECONDS``: once per write, it cost a system call per small entry,
+        on which threads filling a cache queued for the GIL. What other processes write meanwhile was never seen by
+        the check anyway (it is not atomic across processes); the reserves cover it, and a full tmpfs still fails
+        the write itself.
         """
         left = self._room_unchecked - size  # threads may race here: the bytes let through stay within the bound
         if left >= 0 and time.monotonic() < self._room_until:
             self._room_unchecked = left
             return True
-        room, _free = self.space_left(reserve)
+        room, self.limiting = self.space_left(reserve, memory)
         self._room_unchecked = max(0, min(room, ROOM_RECHECK_BYTES) - size)
         self._room_until = time.monotonic() + ROOM_RECHECK_SECONDS
         return room >= size

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from monai_cache import runtime, shm_directory
+from monai_cache.errors import CacheFullWarning
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
 
 PY = sys.executable
@@ -358,7 +359,7 @@ def test_budget_full_degrades_with_one_warning(shm_dir):
         warnings.simplefilter("always")
         out = [store.get_or_compute(i, lambda i=i: item(i)) for i in range(10)]
         again = [store.get_or_compute(i, lambda i=i: item(i)) for i in range(10)]
-    full = [w for w in caught if "full" in str(w.message)]
+    full = [w for w in caught if issubclass(w.category, CacheFullWarning)]
     assert len(full) == 1, [str(w.message) for w in caught]
     assert "shm_budget" in str(full[0].message) and "--shm-size" in str(full[0].message)
     assert [o["index"] for o in out] == list(range(10)) == [o["index"] for o in again]
@@ -374,7 +375,7 @@ def test_small_tmpfs_running_out(tiny_tmpfs):
         warnings.simplefilter("always")
         out = [store.get_or_compute(i, lambda i=i: {"x": torch.full((100_000,), float(i))}) for i in range(20)]
     assert [float(o["x"][0]) for o in out] == [float(i) for i in range(20)]
-    full = [w for w in caught if "full" in str(w.message)]
+    full = [w for w in caught if issubclass(w.category, CacheFullWarning)]
     assert len(full) == 1
     entries = store.stats()["stored"]["entries"]
     assert 3 <= entries < 20  # 4 MiB hold some 400 KB entries, not all

@@ -1,0 +1,200 @@
+"""The shared-memory cache within a container's memory limit: a real memory cgroup (v1 or v2, as Docker ``--memory``
+and Kubernetes pod limits set), real tmpfs pages charged to it, real DataLoader worker processes.
+
+A cache larger than the limit allows: nothing is killed, the items are MONAI's, and one warning says so early,
+naming the limit; an explicit ``shm_budget`` above the limit is warned about. Also what ``memory_limits`` reads of a
+cgroup, and the early warning's projection on a real small tmpfs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+import warnings
+
+import pytest
+import torch
+from helpers import mounted_tmpfs
+
+from monai_cache import CacheFullWarning
+from monai_cache.memory_limits import cgroup_memory, memory_reserve, read_machine
+from monai_cache.shm import SharedMemoryStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1_000_000
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int):
+    """A new memory cgroup limited to ``limit`` bytes: ``(directory, version)``; v2 where the machine has the memory
+    controller there, v1 otherwise. Skips the test where none can be made (not root, no memory controller)."""
+    name = f"monai-cache-test-{uuid.uuid4().hex[:8]}"
+    candidates = [("/sys/fs/cgroup", 2, "memory.max"), ("/sys/fs/cgroup/unified", 2, "memory.max"),
+                  ("/sys/fs/cgroup/memory", 1, "memory.limit_in_bytes")]  # fmt: skip
+    made = None
+    for root, version, limit_file in candidates:
+        if version == 2:
+            with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.subtree_control")) as f:
+                if "memory" not in f.read().split():
+                    continue
+        if not os.path.isfile(os.path.join(root, "cgroup.procs")) or (version == 1 and not os.path.isfile(
+                os.path.join(root, limit_file))):  # fmt: skip
+            continue
+        try:
+            os.mkdir(os.path.join(root, name))
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(root, name, limit_file), "w") as f:
+                f.write(str(limit))
+        except OSError:
+            os.rmdir(os.path.join(root, name))
+            continue
+        made = (os.path.join(root, name), version)
+        break
+    if made is None:
+        pytest.skip("cannot create a memory cgroup with a limit here (needs root and a memory controller)")
+    try:
+        yield made
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(made[0])
+
+
+def oom_kills(directory: str, version: int) -> int:
+    name, key = ("memory.oom_control", "oom_kill") if version == 1 else ("memory.events", "oom_kill")
+    with open(os.path.join(directory, name)) as f:
+        for line in f:
+            if line.split()[0] == key:
+                return int(line.split()[1])
+    return 0
+
+
+def run_in_cgroup(directory: str, code: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new interpreter that first moves itself into the cgroup (as a container's processes are)."""
+    script = f'echo $$ > {directory}/cgroup.procs && exec "{sys.executable}" -c "$0"'
+    return subprocess.run(["sh", "-c", script, code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+ITEMS = 20
+ITEM_BYTES = 25 * MIB  # 500 MiB in all, under a 700 MB limit that the interpreter's ~300 MB share
+
+CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys, warnings
+    sys.path.insert(0, {tests!r})
+    import monai.data, torch
+    from monai.transforms import Transform
+    import monai_cache
+
+    class Volume(Transform):  # deterministic: a 25 MiB item from its number
+        def __call__(self, i):
+            g = torch.Generator().manual_seed(int(i))
+            return {{"image": torch.rand({numel}, generator=g), "case": int(i)}}
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("always")  # to stderr, from the main process and the DataLoader workers alike
+    ds = monai_cache.CacheDataset(list(range({items})), Volume(), progress=False, runtime_cache={runtime})
+    loader = monai.data.DataLoader(ds, batch_size=1, num_workers={workers})
+    digests = [[hashlib.sha256(batch["image"][0].numpy().tobytes()).hexdigest() for batch in loader] for _ in range(2)]
+    stats = ds.cache_stats()
+    print(json.dumps({{"digests": digests, "entries": stats["stored"]["entries"]}}))
+    ds.release()
+    """
+)
+
+
+def monais_digests(numel: int) -> list[str]:
+    """The same items from MONAI's Dataset (uncached), outside the cgroup."""
+    import hashlib
+
+    import monai.data
+    from monai.transforms import Transform
+
+    class Volume(Transform):
+        def __call__(self, i):
+            g = torch.Generator().manual_seed(int(i))
+            return {"image": torch.rand(numel, generator=g), "case": int(i)}
+
+    reference = monai.data.Dataset(list(range(ITEMS)), Volume())
+    return [hashlib.sha256(reference[i]["image"].numpy().tobytes()).hexdigest() for i in range(ITEMS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime_cache, workers", [(False, 0), (True, 2)], ids=["eager", "on-the-fly-2-workers"])
+def test_a_cache_larger_than_the_cgroup_limit_is_never_killed(shm_dir, runtime_cache, workers):
+    """Before this, 20 items of 25 MiB under a 700 MB limit were OOM-killed (exit 137, the memory cgroup's OOM
+    killer) with no warning; MONAI's own CacheDataset is killed too (it holds every item). Uncached, the same job
+    peaks at about 430 MB."""
+    code = CHILD.format(tests=os.path.join(REPO, "tests"), numel=ITEM_BYTES // 4, items=ITEMS, runtime=runtime_cache,
+                        workers=workers)  # fmt: skip
+    with memory_cgroup(700 * MB) as (directory, version):
+        env = {**os.environ, "MONAI_CACHE_SHM_DIR": shm_dir, "PYTHONPATH": REPO}
+        result = run_in_cgroup(directory, code, env)
+        kills = oom_kills(directory, version)
+        subprocess.run(["rm", "-rf", shm_dir + "/"], check=False)  # uncharge the tmpfs pages before the rmdir
+    assert result.returncode == 0 and kills == 0, (result.returncode, kills, result.stderr[-3000:])
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = monais_digests(ITEM_BYTES // 4)
+    assert out["digests"] == [expected, expected]
+    assert 0 < out["entries"] < ITEMS  # some cached, not all: the limit, not the tmpfs (GiBs free), stopped it
+    warned = [line for line in result.stderr.splitlines() if "CacheFullWarning" in line]
+    assert len(warned) == 1, result.stderr[-3000:]  # once, from whichever process of the job saw it first
+    assert "memory cgroup limit" in warned[0] and "--memory=" in warned[0]
+
+
+def test_reading_a_real_cgroup(tmp_path):
+    with memory_cgroup(300 * MB) as (directory, _version):
+        code = "from monai_cache.memory_limits import cgroup_memory as c; g = c(); print(g.path, g.limit, g.usage)"
+        result = run_in_cgroup(directory, code, {**os.environ, "PYTHONPATH": REPO}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    path, limit, usage = result.stdout.split()
+    assert path == directory and int(limit) == 300 * MB - 300 * MB % 4096 and 0 < int(usage) < int(limit)
+
+
+def test_outside_a_limited_cgroup_nothing_is_reported_but_the_machine():
+    machine = read_machine("/dev/shm")
+    group = cgroup_memory()
+    assert group is None or group.limit > 0  # this machine's own limits, if any
+    assert machine.mem_available and machine.tmpfs_total > 0
+    names = [name for name, _room in machine.limits()]
+    assert names[0] == "the free space of the tmpfs" and "the memory available (MemAvailable)" in names
+    assert memory_reserve(600 * MB) == 150 * MB and memory_reserve(16 << 30) == (16 << 30) // 10
+
+
+def test_explicit_budget_above_the_machine_is_warned_once(shm_dir):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stores = [SharedMemoryStore("big-budget", 4, budget="64TiB") for _ in range(2)]  # two users of one cache
+    messages = [str(w.message) for w in caught if issubclass(w.category, CacheFullWarning)]
+    assert len(messages) == 1 and "shm_budget=64.0 TiB is more than the machine offers" in messages[0]
+    for store in stores:
+        store.release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget within the machine is not warned about
+        SharedMemoryStore("small-budget", 4, budget="1MiB").release()
+
+
+def test_early_warning_projects_the_whole_cache_from_its_first_entries(tmp_path):
+    """On a real 8 MiB tmpfs, 40 entries of 400 KB (16 MB) will not fit: one warning after the 4th entry, with the
+    projection and the settings that would give room, and none when the cache is then full."""
+    with mounted_tmpfs(str(tmp_path / "tmpfs"), "size=8m") as mount:
+        store = SharedMemoryStore("projected", 40, shm_dir=mount, reserve=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(40):
+                store.get_or_compute(i, lambda i=i: {"x": torch.full((100_000,), float(i))})
+                if i == 3:
+                    early = [str(w.message) for w in caught]
+        messages = [str(w.message) for w in caught if issubclass(w.category, CacheFullWarning)]
+        assert len(messages) == 1 and early == messages  # said after the 4th entry, and only then
+        assert "will not fit: its 40 entries need about 15.3 MiB (projected from the first 4" in messages[0]
+        assert "--shm-size=1g" in messages[0] and "sizeLimit: 1Gi" in messages[0]
+        assert 0 < store.stats()["stored"]["entries"] < 40
+        store.release()
