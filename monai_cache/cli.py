@@ -296,6 +296,143 @@ def _verify_run(args: argparse.Namespace) -> int:
     return 1 if result["bad"] or any(tier["bad"] for tier in tiers) else 0
 
 
+# -- plan ---------------------------------------------------------------------------------------------------
+
+
+PLAN_SECTIONS = ("train#dataset", "validate#dataset")
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config_file", "--config-file", dest="config_file", action="append", required=True,
+                        help="the bundle config (repeat for several files, as monai.bundle takes them)")  # fmt: skip
+    parser.add_argument("--section", action="append", default=None,
+                        help="a dataset's id in the config (repeatable; default: train#dataset and validate#dataset)")
+    parser.add_argument("--samples", type=int, default=8, help="items to compute at most (default 8)")
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="stop sampling after this long (default 60)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks of the job on one machine (default $LOCAL_WORLD_SIZE or 1)")
+    parser.add_argument("--shm-dir", default=None, help="tmpfs of the cache (default $MONAI_CACHE_SHM_DIR or /dev/shm)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--no-progress", action="store_true", help="do not show which item is being computed")
+    parser.epilog = (
+        "Other --<id> <value> pairs override the config, as python -m monai.bundle run takes them (e.g. "
+        "--train#dataset#cache_rate 0.5). Exit status: 0 if every cache fits, 1 if one does not, 2 on error."
+    )
+
+
+def _overrides(extra: Sequence[str]) -> dict[str, Any]:
+    """``--id value`` pairs: values as JSON where they parse (numbers, true, lists), else strings."""
+    out: dict[str, Any] = {}
+    it = iter(extra)
+    for key in it:
+        if not key.startswith("--"):
+            raise ValueError(f"unexpected argument {key!r}: overrides are --<id> <value>")
+        value = next(it, None)
+        if value is None:
+            raise ValueError(f"{key} has no value")
+        try:
+            out[key[2:]] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key[2:]] = value
+    return out
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    from monai_cache.plan import plan_bundle
+
+    try:
+        overrides = _overrides(getattr(args, "_extra", []))
+        plans = plan_bundle(
+            args.config_file,
+            sections=args.section or PLAN_SECTIONS,
+            overrides=overrides,
+            samples=args.samples,
+            max_seconds=args.max_seconds,
+            shm_dir=args.shm_dir,
+            ranks=args.ranks,
+            progress=not args.no_progress and not args.json,
+        )
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"monai-cache plan: {e}", file=sys.stderr)
+        return 2
+    if not plans:
+        sections = ", ".join(args.section or PLAN_SECTIONS)
+        print(f"monai-cache plan: no dataset section found ({sections})", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=1))
+    else:
+        print("\n\n".join(p.format() for p in plans))
+    return 0 if all(p.fit is None or p.fit.fits for p in plans) else 1
+
+
+# -- top ----------------------------------------------------------------------------------------------------
+
+
+def _top_arguments(parser: argparse.ArgumentParser) -> None:
+    _shm_dir_argument(parser)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    parser.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: until ^C)")
+
+
+def _top_rows(caches: list[dict[str, Any]], before: dict[str, tuple[float, int]], now: float) -> list[list[str]]:
+    """One row per cache; the fill rate from the entries seen at the previous refresh (``before``, updated)."""
+    from monai_cache.utils import format_bytes
+
+    rows = [["KEY", "STATE", "FILLED", "SIZE", "HIT RATE", "HITS", "MISSES", "PROCS", "FILL RATE", "TIME LEFT"]]
+    for c in caches:
+        length = c.get("length")
+        filled = f"{c['entries']}/{length}" if length else str(c["entries"])
+        reads = c["hits"] + c["misses"]
+        rate_text = left = "-"
+        seen = before.get(c["key"])
+        if seen is not None and now > seen[0]:
+            rate = (c["entries"] - seen[1]) / (now - seen[0])
+            rate_text = f"{rate:.1f}/s"
+            if rate > 0 and length and c["entries"] < length:
+                left = f"{(length - c['entries']) / rate:.0f} s"
+            elif length and c["entries"] >= length:
+                left = "full"
+        before[c["key"]] = (now, c["entries"])
+        rows.append([
+            c["key"], c["state"], filled, format_bytes(c.get("stored", c["bytes"])),
+            f"{c['hits'] / reads:.0%}" if reads else "-", str(c["hits"]), str(c["misses"]), str(len(c["processes"])),
+            rate_text, left,
+        ])  # fmt: skip
+    return rows
+
+
+def _top_run(args: argparse.Namespace) -> int:
+    import time
+
+    from monai_cache.utils import format_table
+
+    before: dict[str, tuple[float, int]] = {}
+    shown = 0
+    try:
+        while True:
+            try:
+                caches = _shm_caches(args.shm_dir)
+            except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+                print(f"monai-cache: {e}", file=sys.stderr)
+                return 2
+            now = time.monotonic()
+            rows = _top_rows(caches, before, now)
+            if args.json:
+                print(json.dumps({"time": time.time(), "caches": caches}), flush=True)
+            else:
+                screen = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+                title = f"monai-cache top: {len(caches)} cache(s), every {args.interval:g} s (^C to quit)"
+                body = format_table(rows) if caches else "no monai_cache shared-memory caches"
+                print(f"{screen}{title}\n{body}", flush=True)
+            shown += 1
+            if args.iterations and shown >= args.iterations:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 COMMANDS: list[Command] = [
     Command(
         "demo",
@@ -315,6 +452,18 @@ COMMANDS: list[Command] = [
         "remove stale shared-memory caches (--all: every cache of ours; --cache-dir: a disk cache)",
         _clear_arguments,
         _clear_run,
+    ),
+    Command(
+        "plan",
+        "project a bundle's caches (shared memory, disk, time) from a few items, and say what fits on this machine",
+        _plan_arguments,
+        _plan_run,
+    ),
+    Command(
+        "top",
+        "watch this user's shared-memory caches fill: entries, bytes, hit rate, processes, fill rate, time left",
+        _top_arguments,
+        _top_run,
     ),
     Command(
         "verify",
@@ -351,7 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``monai-cache`` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    if "plan" in argv:  # plan passes --<id> <value> pairs on to the bundle config, as monai.bundle run does
+        args, extra = parser.parse_known_args(argv)
+        args._extra = extra
+    else:
+        args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)
         return 2

@@ -161,6 +161,7 @@ class SharedMemoryStore:
         self._verify = bool(verify)
         self._pack = bool(pack)
         self._dir = acquire(cache_root(self._shm_dir), key, self._keep)
+        self._dir.record_length(self._length)
         if disk_tier is not None:
             self._dir.record_disk_tier(disk_tier)
         self._pid = os.getpid()

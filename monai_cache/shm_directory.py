@@ -8,6 +8,7 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
             lease                      every process using the cache holds a shared flock on it
             keep                       present when the cache is to outlive its users (keep_warm=True)
             disk_tier                  the disk cache directory behind this cache, if any (one line)
+            length                     how many entries the cache has room for (one line; monai-cache top)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
             locks                      byte i is OFD-locked while someone computes entry i
             index                      a 32-byte slot per entry: where it lives, its tag and checksum
@@ -427,6 +428,19 @@ class CacheDirectory:
             _unlink_quiet(tmp)
             raise
 
+    def record_length(self, length: int) -> None:
+        """Record how many entries the cache has room for (``monai-cache top`` shows how full it is), once."""
+        path = os.path.join(self.path, "length")
+        if length_of(self.path) == length:
+            return
+        tmp = os.path.join(self.path, temp_name("length"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, f"{int(length)}\n".encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
     def record_disk_tier(self, directory: str) -> None:
         """Record the disk cache directory behind this cache (shown and cleared with it by the command line)."""
         path = os.path.join(self.path, "disk_tier")
@@ -671,9 +685,10 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
         shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
 
     Returns:
-        one dict per cache: ``key``, ``path``, ``bytes`` (allocated), ``entries``, ``hits``, ``misses``,
-        ``state`` (``live``, ``kept`` or ``stale``), ``ours`` (its counters have this version's layout) and
-        ``disk_tier`` (the disk cache directory behind it, or None).
+        one dict per cache: ``key``, ``path``, ``bytes`` (allocated), ``entries``, ``length`` (the entries it has room
+        for, or None), ``stored`` (the bytes of its entries), ``hits``, ``misses``, ``state`` (``live``, ``kept`` or
+        ``stale``), ``ours`` (its counters have this version's layout) and ``disk_tier`` (the disk cache directory
+        behind it, or None).
     """
     root = cache_root(shm_dir, create=False)
     if not os.path.isdir(root):
@@ -703,6 +718,8 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
                 "path": path,
                 "bytes": nbytes,
                 "entries": counts.get("entries", 0),
+                "length": length_of(path),
+                "stored": counts.get("bytes", 0),
                 "hits": counts.get("hits", 0),
                 "misses": counts.get("misses", 0),
                 "state": "live" if live else ("kept" if os.path.exists(os.path.join(path, "keep")) else "stale"),
@@ -711,6 +728,15 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def length_of(path: str) -> int | None:
+    """How many entries the cache at ``path`` has room for, as its users recorded it (None if not recorded)."""
+    try:
+        with open(os.path.join(path, "length")) as f:
+            return int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None
 
 
 def disk_tier_of(path: str) -> str | None:

@@ -52,6 +52,7 @@ def test_bundle_trains_one_epoch(shm_dir, tmp_path):
     out = p.stdout + p.stderr
     assert "Epoch: 1/1" in out and "monai_cache bundle: trained 1 epoch(s)" in out
     assert "'entries': 4" in out  # the shared-memory cache held the four volumes
+    assert "epoch 1 cache: entries 4" in out  # monai_cache.handlers.CacheStatsHandler logged the cache's counters
     assert len([n for n in os.listdir(tmp_path / "output" / "data") if n.startswith("img_")]) == 4
     # the cache is gone once the run released it (nothing left in the private shared-memory directory)
     root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
