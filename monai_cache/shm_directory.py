@@ -34,6 +34,7 @@ and ``mmap`` ourselves are not tracked, so nothing deletes entries under other p
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -429,17 +430,21 @@ class CacheDirectory:
             raise
 
     def record_length(self, length: int) -> None:
-        """Record how many entries the cache has room for (``monai-cache top`` shows how full it is), once."""
-        path = os.path.join(self.path, "length")
+        """Record how many entries the cache has room for (``monai-cache top`` shows how full it is), once. Best
+        effort: a full tmpfs (or any error) leaves it unrecorded, and the cache works as well without it."""
         if length_of(self.path) == length:
             return
         tmp = os.path.join(self.path, temp_name("length"))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, f"{int(length)}\n".encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, f"{int(length)}\n".encode())
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(self.path, "length"))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def record_disk_tier(self, directory: str) -> None:
         """Record the disk cache directory behind this cache (shown and cleared with it by the command line)."""
