@@ -438,10 +438,11 @@ def summarize_run(
     else:
         hits, misses = 0, int(computes["computes"])
     one_copy = next((r["one_copy_bytes"] for r in ranks if r.get("one_copy_bytes")), None)
-    warm_cpu = 0.0  # CPU of epochs 2.. (DataLoader workers are reaped at the end of each epoch)
+    warm_cpu = first_cpu = 0.0  # CPU of epochs 2.., and of epoch 1 (workers are reaped at the end of each epoch)
     for r in ranks:
         ends = [ep["cpu"]["self"] + ep["cpu"]["children"] for ep in r["epochs"]]
         warm_cpu += ends[-1] - ends[0]
+        first_cpu += ends[0] - (r["cpu_setup"]["self"] + r["cpu_setup"]["children"])
     warm_window = None
     if spec.epochs > 1:
         warm_window = (min(r["epochs"][1]["start"] for r in ranks), max(r["epochs"][-1]["end"] for r in ranks))
@@ -457,6 +458,7 @@ def summarize_run(
         "setup_cpu_s": setup_cpu,
         "epoch_s": epochs,
         "first_epoch_s": epochs[0],
+        "first_epoch_cpu_s": first_cpu,
         "warm_epoch_s": sum(epochs[1:]) / (len(epochs) - 1) if len(epochs) > 1 else None,
         "warm_epoch_cpu_s": warm_cpu / (spec.epochs - 1) if spec.epochs > 1 else None,
         "train_s": max(r["epochs"][-1]["end"] for r in ranks) - min(r["start"] for r in ranks),
@@ -482,6 +484,8 @@ def summarize_run(
 ROWS: tuple[tuple[str, str, str, bool], ...] = (
     ("time to first batch, wall (s)", "ttfb_s", "{:.1f}", True),
     ("time to first batch, CPU all processes (s)", "ttfb_cpu_s", "{:.1f}", True),
+    ("first epoch, wall (s)", "first_epoch_s", "{:.2f}", True),
+    ("first epoch, CPU all processes (s)", "first_epoch_cpu_s", "{:.1f}", True),
     ("warm epoch, wall (s)", "warm_epoch_s", "{:.2f}", True),
     ("warm epoch, CPU all processes (s)", "warm_epoch_cpu_s", "{:.1f}", True),
     ("memory above uncached, warm mean (copies)", "copies_warm", "{:.2f}", True),
@@ -551,7 +555,8 @@ def summarize(records: list[dict[str, Any]], items: int) -> dict[tuple[int, int]
             med = {
                 k: harness.median([r.get(k) for r in rs])
                 for k in (
-                    "ttfb_s", "ttfb_cpu_s", "warm_epoch_s", "warm_epoch_cpu_s", "first_epoch_s", "mem_warm",
+                    "ttfb_s", "ttfb_cpu_s", "warm_epoch_s", "warm_epoch_cpu_s", "first_epoch_s", "first_epoch_cpu_s",
+                    "mem_warm",
                     "mem_peak", "computes", "fill_cpu_s", "cpu_s", "hits", "misses", "mem_sampler_cpu_s",
                 )
             }  # fmt: skip

@@ -343,6 +343,34 @@ def test_a_subclass_fill_cache_result_is_the_cache(shm_dir):
     assert caches == []  # the shared-memory cache it replaced was released
 
 
+class ThroughMonaisInit(monai_cache.CacheDataset):
+    """A subclass that calls MONAI's CacheDataset.__init__ by name (as MONAI's apps datasets do), past ours."""
+
+    def __init__(self, data, transform, offset: int) -> None:
+        self.offset = offset  # set before, as the apps datasets set theirs: part of what is cached
+        monai.data.CacheDataset.__init__(self, data, transform, progress=False)
+
+    def _load_cache_item(self, idx):
+        item = super()._load_cache_item(idx)
+        return {**item, "image": item["image"] + self.offset}
+
+
+def test_monais_init_called_by_name_still_gives_the_shared_memory_cache(shm_dir, volumes):
+    """Our options take their defaults, the cache is in shared memory, and an attribute the subclass set before
+    names it: another offset is another cache."""
+    tr = chain(crop=None)
+    ours, other = ThroughMonaisInit(volumes[:3], tr, 1), ThroughMonaisInit(volumes[:3], tr, 2)
+    ref = monai.data.CacheDataset(volumes[:3], tr, progress=False)
+    for i in range(3):
+        assert torch.equal(ours[i]["image"], ref[i]["image"] + 1)
+        assert torch.equal(other[i]["image"], ref[i]["image"] + 2)
+    assert isinstance(ours._cache, monai_cache.SharedMemoryStore) and ours.shared_memory is True
+    assert ours._cache.path != other._cache.path and ours.cache_stats()["stored"]["entries"] == 3
+    assert ours._subclass_attributes == ("offset",)
+    ours.release()
+    other.release()
+
+
 def test_budget_full_degrades_with_one_warning(shm_dir, volumes):
     tr = chain(crop=None)
     ref = monai.data.CacheDataset(volumes, tr, progress=False)
