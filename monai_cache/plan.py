@@ -453,11 +453,10 @@ def _plan(spec: _Spec, samples: int, max_seconds: float, shm_dir: str | None, ra
         verdict = fit(needed, machine)
         if not verdict.fits:
             lines.append(f"cache part of it: cache_rate={verdict.cache_rate:.2f}")
-            if disk is not None or spec.disk or _free_space(spec.cache_dir or ".") is not None:
-                lines.append(
-                    "or keep it on disk with shared memory in front: CacheDataset(..., cache_dir=DIR) (the items "
-                    "that do not fit are read from DIR), or PersistentDataset(..., shm_cache=True)"
-                )
+            lines.append(
+                "or keep it on disk with shared memory in front: CacheDataset(..., cache_dir=DIR) (the items "
+                "that do not fit are read from DIR), or PersistentDataset(..., shm_cache=True)"
+            )
             lines += advice(needed, machine)
     cache_dir = spec.cache_dir
     cache_dir_free = _free_space(cache_dir) if cache_dir is not None else None
