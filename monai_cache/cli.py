@@ -458,6 +458,7 @@ def _run_run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join([switch.site_dir(), *paths])
     if args.dry_run:
         # turn it on here, as CMD's processes will, and show what it replaced
+        was_on = switch.installed()
         switch.install(dataloader=args.dataloader, children=False, announce=False)
         import monai.apps  # patches
         import monai.data  # noqa: F401
@@ -466,6 +467,8 @@ def _run_run(args: argparse.Namespace) -> int:
         for name, (modules, _ours) in switch.swapped_names(args.dataloader).items():
             found = [f"{m}.{name} -> {_qualified(getattr(sys.modules[m], name, None))}" for m in modules]
             print("  " + ", ".join(found))
+        if not was_on:
+            switch.uninstall()
         print(f"would run: {' '.join(cmd) if cmd else '(no command given)'}")
         print(f"with {switch.ENV_VAR}={env[switch.ENV_VAR]} PYTHONPATH={env['PYTHONPATH']}")
         return 0

@@ -204,17 +204,16 @@ def _activate() -> None:
 
 
 def _patch(names: dict[str, tuple[tuple[str, ...], str]]) -> None:
-    for name, (modules, ours) in names.items():
-        if modules[0] not in sys.modules and modules[0].startswith("monai.apps"):
-            continue  # monai.apps failed to import (an optional dependency): nothing to replace
-        cls = getattr(importlib.import_module(ours), name)
+    names = {n: v for n, v in names.items() if v[0][0] in sys.modules or not v[0][0].startswith("monai.apps")}
+    # ours first, all of them: each binds MONAI's originals when imported, which must not be ours already
+    ours = {name: getattr(importlib.import_module(module), name) for name, (_modules, module) in names.items()}
+    for name, (modules, _module) in names.items():
         for module in modules:
             mod = importlib.import_module(module)
             current = getattr(mod, name, None)
-            if current is cls:
-                continue
-            _State.originals.setdefault((module, name), current)
-            setattr(mod, name, cls)
+            if current is not ours[name]:
+                _State.originals.setdefault((module, name), current)
+                setattr(mod, name, ours[name])
 
 
 def _originals() -> dict[int, str]:
@@ -272,7 +271,7 @@ def _subclasses(classes: list[type]) -> Iterator[type]:
     while stack:
         subclasses: list[type] = type.__subclasses__(stack.pop())
         for sub in subclasses:
-            if id(sub) not in seen:
+            if id(sub) not in seen and sub.__module__.split(".")[0] != "monai_cache":  # ours and theirs are ours
                 seen.add(id(sub))
                 stack.append(sub)
                 yield sub
