@@ -33,9 +33,11 @@ from typing import Any
 __all__ = [
     "ENV_VAR",
     "SWAPPED",
+    "describe",
     "install",
     "installed",
     "load_ipython_extension",
+    "original",
     "site_dir",
     "swapped_names",
     "uninstall",
@@ -88,6 +90,18 @@ def swapped_names(dataloader: bool = False) -> dict[str, tuple[tuple[str, ...], 
         dataloader: include ``monai.data.DataLoader`` (``install(dataloader=True)``).
     """
     return {**SWAPPED, **_DATALOADER} if dataloader else dict(SWAPPED)
+
+
+def original(name: str) -> Any:
+    """MONAI's own class for a name the switch replaces, whether the switch is on or not (for code that must tell
+    MONAI's classes from ours, e.g. ``monai-cache plan``).
+
+    Args:
+        name: a key of :func:`swapped_names` (``"CacheDataset"``, ``"DataLoader"``, ...).
+    """
+    modules, _ours = swapped_names(True)[name]
+    saved = _State.originals.get((modules[0], name))
+    return saved if saved is not None else getattr(importlib.import_module(modules[0]), name)
 
 
 def installed() -> bool:

@@ -17,7 +17,8 @@ def _switch_on() -> None:
 
         switch.install()
     except Exception as e:  # start-up must go on
-        print(f"monai_cache switch: not turned on in this process: {e!r}", file=sys.stderr)
+        # e.g. this interpreter finds another monai_cache (an older one) than the one that set up the switch
+        print(f"monai_cache switch: not turned on in this process ({sys.executable}): {e!r}", file=sys.stderr)
 
 
 def _chain() -> None:
