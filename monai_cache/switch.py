@@ -230,14 +230,14 @@ def _patch(names: dict[str, tuple[tuple[str, ...], str]]) -> None:
                 setattr(mod, name, ours[name])
 
 
-def _originals() -> dict[int, str]:
-    found = {}
-    for name, (modules, _ours) in swapped_names(True).items():
-        mod = sys.modules.get(modules[0])
-        cls = getattr(mod, name, None) if mod is not None else None
-        if cls is not None and cls.__module__ == modules[0]:
-            found[id(cls)] = name
-    return found
+def _original_classes() -> dict[str, type]:
+    """MONAI's classes the switch is about to replace (those still in place: not ours yet)."""
+    out = {}
+    for name, (modules, _ours) in swapped_names(_State.dataloader).items():
+        cls = getattr(sys.modules.get(modules[0]), name, None)
+        if isinstance(cls, type) and cls.__module__ == modules[0]:
+            out[name] = cls
+    return out
 
 
 def _outside(module_name: str) -> bool:
@@ -247,9 +247,10 @@ def _outside(module_name: str) -> bool:
 def _bindings_before() -> list[str]:
     """Modules outside MONAI and monai_cache that hold one of MONAI's originals at module level, or define a
     subclass of one: what the switch cannot reach (``__main__`` included)."""
-    originals = _originals()
-    if not originals:
+    classes = _original_classes()
+    if not classes:
         return []
+    originals = {id(cls): name for name, cls in classes.items()}
     found: dict[str, set[str]] = {}
     seen: set[int] = set()
     for module_name, module in list(sys.modules.items()):
@@ -264,19 +265,10 @@ def _bindings_before() -> list[str]:
             name = originals.get(id(value))
             if name is not None:
                 found.setdefault(module_name, set()).add(name)
-    for cls in _subclasses(_original_classes()):
+    for cls in _subclasses(list(classes.values())):
         if _outside(cls.__module__):
             found.setdefault(cls.__module__, set()).add(cls.__qualname__)
     return [f"{m} ({', '.join(sorted(n))})" for m, n in sorted(found.items())]
-
-
-def _original_classes() -> list[type]:
-    out = []
-    for name, (modules, _ours) in swapped_names(True).items():
-        cls = getattr(sys.modules.get(modules[0]), name, None)
-        if isinstance(cls, type) and cls.__module__ == modules[0]:
-            out.append(cls)
-    return out
 
 
 def _subclasses(classes: list[type]) -> Iterator[type]:

@@ -4,7 +4,7 @@ In this process: off, nothing is patched; on, every name is ours, results equal 
 ``_target_`` finds ours, a module imported before gets one warning naming it; ``run --dry-run``. One subprocess:
 a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
 and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line.
-One notebook with ``%load_ext monai_cache``.
+The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
 """
 
 from __future__ import annotations
@@ -232,26 +232,3 @@ def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_pat
     assert len(log) == 1 and f"MONAI {monai.__version__}" in log[0] and "CacheDataset" in log[0], p.stderr[-3000:]
     root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
     assert not os.path.isdir(root) or not [n for n in os.listdir(root) if not n.startswith(".")]
-
-
-@pytest.mark.slow
-def test_notebook_with_load_ext(shm_dir, volumes, tmp_path):
-    nbformat = pytest.importorskip("nbformat", reason="needs nbformat (in the test extras)")
-    nbclient = pytest.importorskip("nbclient", reason="needs nbclient (in the test extras)")
-    pytest.importorskip("ipykernel", reason="needs ipykernel, for the python3 kernel (in the test extras)")
-    cells = [
-        "%load_ext monai_cache",
-        "from monai.data import CacheDataset\n"
-        "from monai.transforms import LoadImaged\n"
-        f"ds = CacheDataset({volumes[:2]!r}, transform=LoadImaged(keys=['image']), progress=False)\n"
-        "print(type(ds).__module__, ds.cache_stats()['stored']['entries'])\n"
-        "ds.release()",
-    ]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    client = nbclient.NotebookClient(
-        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
-    client.execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
-    assert "monai_cache.dataset 2" in text, text
-    assert sum("monai_cache switch on" in line for line in text.splitlines()) == 1, text
