@@ -129,6 +129,8 @@ def install(dataloader: bool | None = None, children: bool = True, announce: boo
     if _State.on:
         if dataloader and not _State.dataloader:
             _State.dataloader = True
+            if children and _State.environ:
+                os.environ[ENV_VAR] = "dataloader"
             if _State.patched:
                 _patch(_DATALOADER)
         return
