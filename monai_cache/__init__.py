@@ -32,6 +32,9 @@ _EXPORTS = {
     "CorruptEntryWarning": "monai_cache.errors",
     "UncachedItemWarning": "monai_cache.errors",
     "CacheUnavailableWarning": "monai_cache.errors",
+    "SwitchWarning": "monai_cache.errors",
+    "install": "monai_cache.switch",
+    "uninstall": "monai_cache.switch",
 }
 
 __all__ = [
@@ -49,9 +52,13 @@ __all__ = [
     "SharedMemoryStore",
     "ShardedDistributedSampler",
     "SmartCacheDataset",
+    "SwitchWarning",
     "UncachedItemWarning",
     "UnsupportedValueError",
     "__version__",
+    "install",
+    "load_ipython_extension",
+    "uninstall",
 ]
 
 if TYPE_CHECKING:
@@ -65,6 +72,7 @@ if TYPE_CHECKING:
         CorruptEntryError,
         CorruptEntryWarning,
         MonaiCacheWarning,
+        SwitchWarning,
         UncachedItemWarning,
         UnsupportedValueError,
     )
@@ -73,6 +81,18 @@ if TYPE_CHECKING:
     from monai_cache.sampler import ShardedDistributedSampler
     from monai_cache.shm import SharedMemoryStore
     from monai_cache.smartcache import SmartCacheDataset
+    from monai_cache.switch import install, uninstall
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext monai_cache``: turns the switch on in the notebook's kernel (:func:`monai_cache.install`).
+
+    Args:
+        ipython: the IPython shell.
+    """
+    from monai_cache import switch
+
+    switch.load_ipython_extension(ipython)
 
 
 def __getattr__(name: str) -> Any:

@@ -433,6 +433,60 @@ def _top_run(args: argparse.Namespace) -> int:
         return 0
 
 
+# -- run ----------------------------------------------------------------------------------------------------
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the classes swapped and the MONAI version; run nothing"
+    )
+    parser.add_argument(
+        "--dataloader", action="store_true", help="also swap monai.data.DataLoader for monai_cache.DataLoader"
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from monai_cache import switch
+
+    cmd = list(args.cmd)
+    if cmd[:1] == ["--"]:
+        cmd = cmd[1:]
+    env = dict(os.environ)
+    env[switch.ENV_VAR] = "dataloader" if args.dataloader else "1"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != switch.site_dir()]
+    env["PYTHONPATH"] = os.pathsep.join([switch.site_dir(), *paths])
+    if args.dry_run:
+        # turn it on here, as CMD's processes will, and show what it replaced
+        was_on = switch.installed()
+        switch.install(dataloader=args.dataloader, children=False, announce=False)
+        import monai.apps  # patches
+        import monai.data  # noqa: F401
+
+        print(switch.describe(args.dataloader))
+        for name, (modules, _ours) in switch.swapped_names(args.dataloader).items():
+            found = [f"{m}.{name} -> {_qualified(getattr(sys.modules[m], name, None))}" for m in modules]
+            print("  " + ", ".join(found))
+        if not was_on:
+            switch.uninstall()
+        print(f"would run: {' '.join(cmd) if cmd else '(no command given)'}")
+        print(f"with {switch.ENV_VAR}={env[switch.ENV_VAR]} PYTHONPATH={env['PYTHONPATH']}")
+        return 0
+    if not cmd:
+        print("monai-cache run: give the command after --, e.g. monai-cache run -- python train.py", file=sys.stderr)
+        return 2
+    try:
+        os.execvpe(cmd[0], cmd, env)  # CMD's exit status and signals are its own: nothing stands between
+    except OSError as e:
+        print(f"monai-cache run: cannot run {cmd[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127 if isinstance(e, FileNotFoundError) else 126
+    return 0  # not reached
+
+
+def _qualified(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+
+
 COMMANDS: list[Command] = [
     Command(
         "demo",
@@ -458,6 +512,12 @@ COMMANDS: list[Command] = [
         "project a bundle's caches (shared memory, disk, time) from a few items, and say what fits on this machine",
         _plan_arguments,
         _plan_run,
+    ),
+    Command(
+        "run",
+        "run a command with MONAI's caching datasets swapped for monai_cache's in all its Python processes",
+        _run_arguments,
+        _run_run,
     ),
     Command(
         "top",
@@ -500,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``monai-cache`` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    if "plan" in argv:  # plan passes --<id> <value> pairs on to the bundle config, as monai.bundle run does
+    command = next((a for a in argv if a in {cmd.name for cmd in COMMANDS}), "")
+    if command == "plan":  # plan passes --<id> <value> pairs on to the bundle config, as monai.bundle run does
         args, extra = parser.parse_known_args(argv)
         args._extra = extra
     else:

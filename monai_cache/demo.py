@@ -120,9 +120,9 @@ def _rank(job_path: str) -> None:
     dist.barrier()  # every rank starts building its dataset at the same moment
     start, t0 = time.time(), time.perf_counter()
     if job["config"] == "monai":
-        import monai.data
+        from monai_cache.switch import original
 
-        dataset = monai.data.CacheDataset(files, transform, progress=False)
+        dataset = original("CacheDataset")(files, transform, progress=False)  # MONAI's, even under the switch
     else:
         from monai_cache import CacheDataset
 

@@ -60,6 +60,11 @@ class BatchFallbackWarning(MonaiCacheWarning):
     ordinary path, the same batch at torch's cost."""
 
 
+class SwitchWarning(MonaiCacheWarning):
+    """The switch (``monai_cache.install()``, ``monai-cache run``) cannot reach a module: it bound MONAI's classes
+    before the switch was turned on."""
+
+
 def warn(message: str, category: type[MonaiCacheWarning] = MonaiCacheWarning, stacklevel: int = 3) -> None:
     """Emit ``message`` (prefixed with ``monai_cache:``) as a ``category`` warning.
 

@@ -320,23 +320,23 @@ _OPTIONS = ("cache_num", "cache_rate", "cache_dir", "cache_n_trans", "as_contigu
 
 def _spec(name: str, cls: type, data: Sequence, transform: Any, options: dict[str, Any]) -> _Spec:
     """What ``cls`` (a MONAI dataset class, ours or MONAI's) with these arguments caches, and where."""
-    import monai.data
     import torch
     from monai.transforms import Compose, convert_to_contiguous, reset_ops_id
 
     from monai_cache import compat
     from monai_cache.fingerprint import first_random_index
+    from monai_cache.switch import original  # MONAI's classes even under the switch
 
     chain = transform if isinstance(transform, Compose) else Compose(transform)
     ours = cls.__module__.startswith("monai_cache")
     target = f"{cls.__module__}.{cls.__qualname__}"
     cache_dir = options.get("cache_dir")
     cache_dir = None if cache_dir is None else os.fspath(cache_dir)
-    if issubclass(cls, monai.data.PersistentDataset):
+    if issubclass(cls, original("PersistentDataset")):
         end = options.get("cache_n_trans")
         end = first_random_index(chain) if end is None else int(end)
         reset = options.get("reset_ops_id", True)
-        default = compat.PERSISTENT_TRACK_META_DEFAULT if not issubclass(cls, monai.data.CacheNTransDataset) else None
+        default = compat.PERSISTENT_TRACK_META_DEFAULT if not issubclass(cls, original("CacheNTransDataset")) else None
         track_meta = options.get("track_meta", default) if ours else None
 
         def persistent(item: Any) -> Any:
@@ -355,10 +355,10 @@ def _spec(name: str, cls: type, data: Sequence, transform: Any, options: dict[st
         return convert_to_contiguous(out, memory_format=torch.contiguous_format) if contiguous else out
 
     count = len(data)
-    if issubclass(cls, monai.data.CacheDataset):
+    if issubclass(cls, original("CacheDataset")):
         rate = float(options.get("cache_rate", 1.0))
         count = max(0, min(int(options.get("cache_num", sys.maxsize)), int(count * rate), count))
-    in_process = issubclass(cls, monai.data.CacheDataset) and (not ours or not options.get("shared_memory", True))
+    in_process = issubclass(cls, original("CacheDataset")) and (not ours or not options.get("shared_memory", True))
     return _Spec(name, target, data, cached, count, memory=True, disk=cache_dir is not None, in_process=in_process,
                  cache_dir=cache_dir, options=options)  # fmt: skip
 

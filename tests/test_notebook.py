@@ -19,6 +19,18 @@ def test_tutorial_notebook_executes(shm_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    tutorial_cells = len(nb.cells)
+    # then, in the same kernel (one interpreter less): the switch turned on with %load_ext, in a notebook that
+    # holds MONAI's class under a name of its own (so install() names __main__ in its one warning)
+    nb.cells += [
+        nbformat.v4.new_code_cell("from monai.data import CacheDataset as StockCacheDataset\n%load_ext monai_cache"),
+        nbformat.v4.new_code_cell(
+            "from monai.data import CacheDataset\n"
+            "switched = CacheDataset(files[:2], transform=transforms, progress=False)\n"
+            "print('switched:', type(switched).__module__, switched.cache_stats()['stored']['entries'])\n"
+            "switched.release()"
+        ),
+    ]
     client = nbclient.NotebookClient(
         nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
@@ -29,9 +41,15 @@ def test_tutorial_notebook_executes(shm_dir, tmp_path, monkeypatch):
             assert out.get("output_type") != "error", out
             text.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
     joined = "\n".join(text)
+    switch_text = "\n".join(
+        o.get("text", "") for c in nb.cells[tutorial_cells:] for o in c.get("outputs", []) if "text" in o
+    )
+    assert "switched: monai_cache.dataset 2" in switch_text, switch_text
+    assert switch_text.count("monai_cache switch on") == 1, switch_text  # the one log line
+    assert "SwitchWarning" in switch_text and "__main__ (CacheDataset)" in switch_text, switch_text
     assert "monai_cache.CacheDataset   first batch" in joined and "MONAI CacheDataset" in joined
     assert "'entries': 8" in joined  # our cache held every volume
     # the notebook only changes the import between the two runs
-    sources = [c.source for c in nb.cells if c.cell_type == "code"]
+    sources = [c.source for c in nb.cells[:tutorial_cells] if c.cell_type == "code"]
     assert "from monai.data import CacheDataset" in "\n".join(sources)
     assert "from monai_cache import CacheDataset" in "\n".join(sources)

@@ -1,0 +1,59 @@
+"""Called by a MONAI bundle run under ``monai-cache run`` (tests/test_switch.py): reports, as one JSON line, what the
+switch did in the bundle's process, in a spawned DataLoader worker, in a plain child process and to ``monai-cache
+top``; then exits with status 3 (``run`` must pass it through)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def in_worker(item: object) -> dict:
+    """A transform: what a spawned DataLoader worker sees."""
+    import monai.apps
+    import monai.data
+
+    return {
+        "worker_dataset": monai.data.CacheDataset.__module__,
+        "worker_apps": monai.apps.MedNISTDataset.__module__,
+        "worker_switch": os.environ.get("MONAI_CACHE_SWITCH", ""),
+        "worker_chained": os.environ.get("SWITCH_PROBE_CHAINED", ""),
+        "worker_pid": os.getpid(),
+    }
+
+
+def report(dataset, persistent) -> None:
+    import monai.data
+
+    facts: dict = {
+        "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "persistent": f"{type(persistent).__module__}.{type(persistent).__qualname__}",
+        "entries": dataset.cache_stats()["stored"]["entries"],
+        "persistent_items": [sorted(persistent[i]) for i in range(len(persistent))],
+        "chained": os.environ.get("SWITCH_PROBE_CHAINED", ""),
+        "pid": os.getpid(),
+    }
+    loader = monai.data.DataLoader(
+        monai.data.Dataset([0], transform=in_worker), batch_size=1, num_workers=1, multiprocessing_context="spawn"
+    )
+    for batch in loader:
+        facts.update({k: v[0] if isinstance(v, list) else int(v) for k, v in batch.items()})
+    top = subprocess.run(
+        [sys.executable, "-m", "monai_cache", "top", "--iterations", "1", "--json"], capture_output=True, text=True
+    )
+    facts["top"] = [c["entries"] for c in json.loads(top.stdout)["caches"]]
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; print(sorted(m for m in ('torch', 'monai', 'monai_cache.switch') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    facts["child_modules"] = json.loads(child.stdout.replace("'", '"'))
+    print("SWITCH_PROBE " + json.dumps(facts), flush=True)
+    dataset.release()
+    sys.exit(3)

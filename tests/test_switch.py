@@ -1,0 +1,234 @@
+"""The switch (monai_cache/switch.py): MONAI's caching datasets become ours wherever they are looked up.
+
+In this process: off, nothing is patched; on, every name is ours, results equal MONAI's, a bundle's short
+``_target_`` finds ours, a module imported before gets one warning naming it; ``run --dry-run``. One subprocess:
+a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
+and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line.
+The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import monai.apps
+import monai.data
+import pytest
+from helpers import chain
+from test_codec import assert_same
+
+import monai_cache
+from monai_cache import switch
+
+# the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
+pytestmark = pytest.mark.dropin
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "tests", "_scripts")
+MONAI_MODULES = {"monai.data.dataset", "monai.data", "monai.data.dataloader", "monai.apps.datasets", "monai.apps"}
+
+
+def _bound() -> dict[tuple[str, str], type]:
+    """What each MONAI module holds under each name the switch may replace (DataLoader included)."""
+    return {(m, n): getattr(sys.modules[m], n) for n, (ms, _o) in switch.swapped_names(True).items() for m in ms}
+
+
+@pytest.fixture
+def switched():
+    """The switch on in this process (not for children), and off again afterwards whatever the test did."""
+    before = _bound()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", monai_cache.SwitchWarning)  # other test modules bound MONAI's classes
+        switch.install(children=False, announce=False)
+    yield before
+    switch.uninstall()
+    assert _bound() == before
+
+
+def _short_name_module(name: str) -> str | list[str]:
+    """The module(s) a bundle's short ``_target_`` is found in (with several, MONAI warns and takes the first)."""
+    from monai.bundle.config_item import ComponentLocator
+
+    return ComponentLocator().get_component_module_name(name)
+
+
+def test_switch_off_leaves_every_monai_class_as_monai(shm_dir):
+    import monai_cache.apps  # importing ours patches nothing
+    import monai_cache.loader  # noqa: F401
+
+    assert not switch.installed() and os.environ.get(switch.ENV_VAR) is None
+    for (module, name), cls in _bound().items():
+        assert cls.__module__.split(".")[0] == "monai", (module, name, cls)
+    found = _short_name_module("CacheDataset")  # MONAI's first, and ours once imported
+    assert found == "monai.data.dataset" or found[0] == "monai.data.dataset"
+
+
+def test_install_swaps_every_name_and_gives_monai_results(switched, shm_dir, volumes, tmp_path):
+    originals = switched
+    for (module, name), cls in _bound().items():
+        if name == "DataLoader":
+            assert cls is originals[(module, name)]  # not swapped unless asked (docs/migrating.md)
+            continue
+        assert cls.__module__.startswith("monai_cache.") and cls.__name__ == name, (module, name)
+        assert issubclass(cls, originals[(module, name)])
+        assert _short_name_module(name) == cls.__module__  # a bundle's short _target_: ours only
+    monai_cache.install()  # idempotent
+    assert monai.data.CacheDataset is monai_cache.CacheDataset
+
+    class After(monai.data.CacheDataset):  # a subclass defined afterwards
+        pass
+
+    ours = After(volumes[:4], transform=chain(), progress=False)
+    theirs = originals[("monai.data", "CacheDataset")](volumes[:4], transform=chain(), progress=False)
+    assert isinstance(ours, monai_cache.CacheDataset) and isinstance(ours, originals[("monai.data", "CacheDataset")])
+    for ds in (ours, theirs):
+        ds.transform.set_random_state(7)
+    for i in range(4):
+        assert_same(theirs[i], ours[i], skip_keys=("id",))  # id(transform): two equal chains
+    assert ours.cache_stats()["stored"]["entries"] == 4
+    ours.release()
+
+    # MONAI's code that bound its classes at import keeps working with ours
+    smart = monai.data.SmartCacheDataset(volumes[:4], transform=chain(crop=None), replace_rate=0.5, cache_num=2)
+    assert isinstance(smart, originals[("monai.data.dataset", "SmartCacheDataset")])
+    from monai.handlers import SmartCacheHandler  # isinstance(x, monai.data.SmartCacheDataset) inside
+
+    SmartCacheHandler(smart)
+    smart.shutdown()
+
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser(
+        {
+            "ds": {
+                "_target_": "PersistentDataset",
+                "data": volumes[:2],
+                "transform": "$monai.transforms.LoadImaged(keys=['image'])",
+                "cache_dir": str(tmp_path / "pd"),
+            }
+        }
+    )
+    persistent = parser.get_parsed_content("ds")
+    stock = originals[("monai.data", "PersistentDataset")](
+        volumes[:2], transform=monai.transforms.LoadImaged(keys=["image"]), cache_dir=str(tmp_path / "stock")
+    )
+    assert type(persistent) is monai_cache.PersistentDataset
+    for i in range(2):  # MONAI's miss is a MetaTensor, its hit a Tensor; ours a Tensor on both (persistent.md)
+        stock[i], persistent[i]
+        assert_same(stock[i], persistent[i], skip_keys=("id",))
+
+
+def test_module_imported_before_gets_one_warning_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "switch_user_module.py").write_text(
+        "from monai.data import CacheDataset\nfrom monai.apps import DecathlonDataset as Decathlon\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import switch_user_module  # noqa: F401 - bound MONAI's classes before the switch
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            switch.install(children=True, announce=False)
+        ours = [w for w in caught if issubclass(w.category, monai_cache.SwitchWarning)]
+        assert len(ours) == 1, [str(w.message) for w in caught]
+        message = str(ours[0].message)
+        assert "switch_user_module (CacheDataset, DecathlonDataset)" in message
+        assert "test_switch" not in message  # this module only looks the classes up at call time
+        assert ours[0].filename == __file__  # points at the install() call
+        # children=True: what the processes this one starts inherit
+        assert os.environ[switch.ENV_VAR] == "1"
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == switch.site_dir()
+    finally:
+        sys.modules.pop("switch_user_module", None)
+        pythonpath = os.environ.get("PYTHONPATH")
+        switch.uninstall()
+    assert switch.ENV_VAR not in os.environ and os.environ.get("PYTHONPATH") != pythonpath
+
+
+@pytest.mark.parametrize(
+    "environ, main",
+    [({}, True), ({"RANK": "0"}, True), ({"LOCAL_RANK": "0", "RANK": "3"}, True), ({"LOCAL_RANK": "1"}, False)],
+)
+def test_log_line_only_in_the_main_process(environ, main):
+    assert switch._is_main_process(environ) is main
+
+
+def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
+    from monai_cache.cli import main
+
+    marker = tmp_path / "ran"
+    assert main(["run", "--dry-run", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]) == 0
+    out = capsys.readouterr().out
+    assert f"MONAI {monai.__version__}" in out and not marker.exists()
+    for name in switch.SWAPPED:
+        assert f"monai.data.{name} -> monai_cache." in out or f"monai.apps.{name} -> monai_cache." in out
+    assert "DataLoader" not in out.split("would run")[0]
+    assert not switch.installed() and monai.data.CacheDataset.__module__ == "monai.data.dataset"  # left off
+    assert main(["run", "--dry-run", "--dataloader", "--", "true"]) == 0
+    assert "monai.data.DataLoader -> monai_cache.loader.DataLoader" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_path):
+    """One process tree: monai-cache run -> python -m monai.bundle run -> a spawned worker and two children."""
+    pytest.importorskip("fire", reason="monai.bundle's command line needs 'fire' (in the test extras)")
+    config = {
+        "imports": ["$import switch_probe"],
+        "datalist": volumes[:3],
+        "transform": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "LoadImaged", "keys": ["image", "label"]},
+                {"_target_": "EnsureChannelFirstd", "keys": ["image", "label"]},
+            ],
+        },
+        "dataset": {"_target_": "CacheDataset", "data": "@datalist", "transform": "@transform", "progress": False},
+        "persistent": {
+            "_target_": "PersistentDataset",
+            "data": "@datalist",
+            "transform": "@transform",
+            "cache_dir": str(tmp_path / "pd"),
+        },
+        "run": ["$switch_probe.report(@dataset, @persistent)"],
+    }
+    (tmp_path / "bundle.json").write_text(json.dumps(config))
+    other = tmp_path / "other_site"  # a sitecustomize the switch's own must run too
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['SWITCH_PROBE_CHAINED'] = 'yes'\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(other), REPO, SCRIPTS]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable, "-m", "monai_cache", "run", "--",
+        sys.executable, "-m", "monai.bundle", "run", "--config_file", str(tmp_path / "bundle.json"),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]  # the probe's exit status, passed through
+    line = next(x for x in p.stdout.splitlines() if x.startswith("SWITCH_PROBE "))
+    facts = json.loads(line.split(" ", 1)[1])
+    # the bundle's short names built ours; the disk cache gives MONAI's keys
+    assert facts["dataset"] == "monai_cache.dataset.CacheDataset"
+    assert facts["persistent"] == "monai_cache.persistent.PersistentDataset"
+    keys = facts["persistent_items"]
+    assert (
+        facts["entries"] == 3 and len(keys) == 3 and keys[0] == keys[2] and {"image", "label", "case"} <= set(keys[0])
+    )
+    # monai-cache top, a child of the bundle's process, lists the cache the switch made
+    assert 3 in facts["top"]
+    # a spawned DataLoader worker: a fresh interpreter, with the switch on
+    assert facts["worker_pid"] != facts["pid"]
+    assert facts["worker_dataset"] == "monai_cache.dataset" and facts["worker_apps"] == "monai_cache.apps.datasets"
+    assert facts["worker_switch"] == "1" and facts["worker_chained"] == "yes" and facts["chained"] == "yes"
+    # a child that never imports MONAI: the switch waits for it, importing neither torch nor MONAI
+    assert facts["child_modules"] == ["monai_cache.switch"]
+    # one log line: the bundle's process; not the worker, not the children
+    log = [x for x in p.stderr.splitlines() if "monai_cache switch on" in x]
+    assert len(log) == 1 and f"MONAI {monai.__version__}" in log[0] and "CacheDataset" in log[0], p.stderr[-3000:]
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    assert not os.path.isdir(root) or not [n for n in os.listdir(root) if not n.startswith(".")]
