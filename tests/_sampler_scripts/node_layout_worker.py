@@ -2,7 +2,8 @@
 
 Usage: python node_layout_worker.py OUT_DIR. ``shard_by="node"`` then has to find the ranks of each machine
 by gathering their identities (the host name, or ``MONAI_CACHE_NODE_ID`` when the test simulates machines).
-Writes ``OUT_DIR/rank{RANK}.json``: the layout found and the indices of a few epochs, or the error raised.
+Writes ``OUT_DIR/rank{RANK}.json``: the layout found and the indices of a few epochs, or the error raised. With
+4 ranks it goes on with ``world_size_worker.run_world_sizes`` (the order and the resume on other world sizes).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def main() -> None:
             second = ShardedDistributedSampler(range(7), shuffle=False, shard_by="node")
             result["second_layout"] = second.local_world_size
     dist.barrier()
+    if world == 4:  # the same 4 processes also play 1, 2 and 4 ranks (one launch instead of two)
+        from world_size_worker import run_world_sizes
+
+        result["world_sizes"] = run_world_sizes(out_dir)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
