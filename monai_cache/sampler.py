@@ -111,9 +111,8 @@ class _EpochSpec:
     canonical: int | None
 
 
-def _order_group(world: int, local_world_size: int, shard_by: str, shuffle: bool, canonical: int | None) -> int:
+def _order_group(local_world_size: int, shard_by: str, shuffle: bool, canonical: int | None) -> int:
     """Ranks that share one shuffled shard: the node's in node mode with ``shuffle``, else 1 (a rank's own)."""
-    del world
     return local_world_size if shard_by == "node" and shuffle and canonical is None else 1
 
 
@@ -397,7 +396,6 @@ def _check_layout(where: str, layout: Mapping[str, Any], counts_key: str | None)
 
 def _saved_order_group(layout: Mapping[str, Any], sampler: ShardedDistributedSampler) -> int:
     return _order_group(
-        layout["num_replicas"],
         layout["local_world_size"],
         layout["shard_by"],
         sampler.shuffle,
@@ -769,9 +767,7 @@ class ShardedDistributedSampler(DistributedSampler):
 
     def _group_size_for_order(self) -> int:
         # shuffle=False (and the canonical order) yields each rank's own shard, in both modes.
-        return _order_group(
-            self.num_replicas, self.local_world_size, self.shard_by, self.shuffle, self.canonical_shards
-        )
+        return _order_group(self.local_world_size, self.shard_by, self.shuffle, self.canonical_shards)
 
     def shard_indices(self) -> list[int]:
         """The fixed, ascending dataset indices owned by this rank (``shard_by="rank"``) or node (``"node"``).
