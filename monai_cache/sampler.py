@@ -4,6 +4,11 @@ With :class:`torch.utils.data.DistributedSampler` every epoch deals every item t
 cache that lives in one process (or one machine) holds the right item only ``1 / world`` of the time.
 :class:`ShardedDistributedSampler` keeps each rank's (or each node's) set of items fixed for the whole
 run and only reorders it from epoch to epoch, so from the second epoch on every read is a cache hit.
+
+The order of an epoch is a pure function of the seed, the epoch, the dataset length and the layout (world size,
+ranks per node), so a state saved mid-epoch tells every rank what the others had read: an epoch resumes exactly
+on the same layout, or with its remaining items re-dealt over another one (``_segment_plan``). With
+``canonical_shards`` the global order does not depend on the world size at all.
 """
 
 from __future__ import annotations

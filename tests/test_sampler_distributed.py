@@ -81,16 +81,21 @@ def _launch(world: int, script: Path, out: Path, env_of_rank) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, list[dict]]:
-    """Launch both ranks once; return {sampler name: [rank 0 result, rank 1 result]}."""
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Launch both ranks once: the samplers under torchrun's variables, then the layout checks without them."""
 
     def torchrun_env(rank: int) -> dict[str, str]:  # what torchrun --nnodes=1 --nproc-per-node=2 sets
         return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(WORLD), "GROUP_RANK": "0"}  # fmt: skip
 
-    per_rank = _launch(WORLD, WORKER, tmp_path_factory.mktemp("gloo"), torchrun_env)
+    return _launch(WORLD, WORKER, tmp_path_factory.mktemp("gloo"), torchrun_env)
+
+
+@pytest.fixture(scope="module")
+def results(two_ranks) -> dict[str, list[dict]]:
+    """{sampler name: [rank 0 result, rank 1 result]}."""
     by_name: dict[str, list[dict]] = {}
-    for data in per_rank:
+    for data in two_ranks:
         assert data["world"] == WORLD
         for res in data["results"]:
             by_name.setdefault(res["name"], []).append(res)
@@ -151,13 +156,10 @@ def test_coverage_and_fixed_shards(results, name):
 # ----------------------------------------------------------------------------- launchers without LOCAL_WORLD_SIZE
 
 
-def _lightning_like_env(rank: int) -> dict[str, str]:
-    """What Lightning's launcher (and, by their own names, srun or mpirun) gives a rank: no LOCAL_WORLD_SIZE."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
-
-
-def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(tmp_path):
-    ranks = _launch(WORLD, LAYOUT_WORKER, tmp_path, _lightning_like_env)
+def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(two_ranks):
+    # the 2 ranks, after their torchrun-like checks, without LOCAL_WORLD_SIZE and GROUP_RANK (as Lightning's
+    # launcher, srun or mpirun start ranks)
+    ranks = [r["layout"] for r in two_ranks]
     # both ranks run on this machine: one node of two ranks, as if local_world_size=2 had been passed
     assert [r["layout"] for r in ranks] == [[2, 0, 0], [2, 0, 1]]
     for r in ranks:
