@@ -367,8 +367,9 @@ def _local_world_size_of_process_group(num_replicas: int, rank: int) -> int:
 
 
 def _is_mid_epoch(state: Mapping[str, Any]) -> bool:
-    counts = state.get("consumed_by_rank") or []
-    return bool(state.get("consumed", 0) or state.get("resumed_from") or any(counts))
+    """Whether the state is inside an epoch (a state that carries per-rank counts or earlier layouts is checked as
+    one, so a corrupt one is refused rather than read as an epoch boundary)."""
+    return bool(state.get("consumed", 0)) or "consumed_by_rank" in state or "resumed_from" in state
 
 
 def _check_layout(where: str, layout: Mapping[str, Any], counts_key: str | None) -> None:
@@ -495,6 +496,8 @@ def _segments_of_state(
         for h in state.get("resumed_from", [])
     ]
     counts = state.get("consumed_by_rank") or [state.get("consumed", 0)] * state["num_replicas"]
+    if not segments and not any(counts):  # nothing read yet: an epoch boundary, the full epoch of the new layout
+        return []
     segments.append((int(state["num_replicas"]), _saved_order_group(state, sampler), [int(c) for c in counts]))
     return segments
 

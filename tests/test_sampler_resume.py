@@ -286,6 +286,7 @@ def test_states_from_another_run_or_corrupt_are_refused_with_the_field():
     refused({k: v for k, v in state.items() if k != "num_replicas"}, "no 'num_replicas'", "corrupt")
     refused({**state, "local_world_size": 2}, "local_world_size=2 does not divide num_replicas=3")
     refused({**state, "consumed_by_rank": [5, 5]}, "consumed_by_rank=[5, 5] is not 3 counts")
+    refused({**state, "consumed": 0, "consumed_by_rank": 5}, "consumed_by_rank=5 is not 3 counts")
     refused({**state, "resumed_from": [{"num_replicas": 2}]}, "resumed_from'][0] has no 'shard_by'")
     refused([1, 2], "got list")
     # even_divisible=False: one rank's count does not tell what the others had read
@@ -298,6 +299,10 @@ def test_states_from_another_run_or_corrupt_are_refused_with_the_field():
 
 def test_merge_states_and_gather_errors():
     ss = [ShardedDistributedSampler(range(30), 3, r, seed=4) for r in range(3)]
+    boundary = ShardedDistributedSampler.merge_states([s.state_dict() for s in ss])  # nothing read yet
+    other = ShardedDistributedSampler(range(30), 2, 1, seed=4)
+    other.load_state_dict(boundary)
+    assert list(other) == other.indices_for_epoch(0)  # the full epoch of the new layout
     states = [s.state_dict(consumed=c) for s, c in zip(ss, (4, 5, 4))]
     merged = ShardedDistributedSampler.merge_states(states[::-1])
     assert merged["consumed_by_rank"] == [4, 5, 4] and merged["rank"] == 0
