@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from monai_cache.sampler import ShardedDistributedSampler
 
-PROPERTY = settings(max_examples=150, deadline=None)
+PROPERTY = settings(max_examples=100, deadline=None)
 
 
 @st.composite
@@ -113,7 +113,10 @@ def test_resume_on_any_layout_finishes_the_epoch_exactly_once(data):
     old_l, new_l, third_l = (data.draw(layout(n), name) for name in ("old", "new", "third"))
     even = data.draw(st.booleans(), "even_divisible") or n < max(old_l[0], new_l[0], third_l[0])
     drop_last = even and data.draw(st.booleans(), "drop_last") and n >= max(old_l[0], new_l[0], third_l[0])
-    kw = dict(shuffle=data.draw(st.booleans(), "shuffle"), drop_last=drop_last, even_divisible=even, seed=5)
+    # 840: every world size 1..8 divides it (the canonical order's own tests use small ones)
+    canonical = data.draw(st.sampled_from([None, None, 840]), "canonical_shards")
+    kw = dict(shuffle=data.draw(st.booleans(), "shuffle"), drop_last=drop_last, even_divisible=even, seed=5,
+              canonical_shards=canonical)  # fmt: skip
     epoch = data.draw(st.integers(0, 50), "epoch")
     old = make(n, old_l, **kw)
     for s in old:
