@@ -48,8 +48,17 @@ def test_torchrun_restarts_find_the_cache_and_resume_each_item_once(tmp_path, sh
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-            "--max-restarts=1", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPTS / "restart_rank.py"), str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        "--max-restarts=1",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(SCRIPTS / "restart_rank.py"),
+        str(out),
+    ]
     with open(tmp_path / "torchrun.log", "wb") as log:
         code = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=HANG_GUARD_S).returncode
     text = (tmp_path / "torchrun.log").read_text(errors="replace")

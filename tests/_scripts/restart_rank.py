@@ -6,8 +6,8 @@ Attempt 0 (``TORCHELASTIC_RESTART_COUNT=0``) reads with 2 DataLoader workers per
 rank 1 ends with ``os._exit(1)`` and rank 0 kills itself with SIGKILL. Attempt 1 reads without workers and finishes
 (one restart: an interpreter start per rank less than a crash per attempt). Each step commits, in one atomic file
 per rank, the sampler's state and the items that step trained on (a training checkpoint: what was not committed is
-trained on again), then all-reduces (the ranks stay in lockstep). The deterministic chain appends one line per call to ``calls.log``.
-Each attempt writes ``attempt<k>.rank<r>.json``: the first step's cache statistics after a restart.
+trained on again), then all-reduces (the ranks stay in lockstep). The deterministic chain appends one line per call
+to ``calls.log``. Each attempt writes ``attempt<k>.rank<r>.json``: the first step's cache statistics after a restart.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def init_process_group(rank: int, world: int) -> None:
     # Restarted ranks reuse the agent's store, whose keys carry no attempt: a rank could read the dead rank's
     # old address (gloo's connectFullMesh then fails, or init hangs). A prefix per attempt keeps them apart.
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
         is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0,
         timeout=timedelta(seconds=120),
     )
