@@ -9,6 +9,9 @@ Run ``python benchmarks/bench_sampler.py [--quick]``. Not a timed test; it print
    CPU seconds per epoch, medians over repeats, ratios against torch measured in the same run.
 2. Coverage over several epochs when the length does not divide by the world size (computed from the samplers).
 3. Batch mixing for 4 simulated ranks, 2 per node: the share of all item pairs that ever meet in a per-rank batch.
+4. The world-size-independent order (``canonical_shards``) against the default order on 1, 2, 4 and 8 ranks:
+   whether the global order is the same as on one rank, the fill, the hit rate of warm epochs, global-batch mixing.
+5. An epoch interrupted on 2 nodes and taken up by 1: resumed on the new layout, restarted, or skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ if str(REPO) not in sys.path:
 
 from monai_cache.sampler import ShardedDistributedSampler  # noqa: E402
 
-SAMPLERS = ("torch", "viscy", "sharded")
+SAMPLERS = ("torch", "viscy", "sharded", "canonical")
+CANONICAL = 8  # canonical_shards of the world-size-independent order: every world size here divides it
 
 
 class VisCyStyleSampler(DistributedSampler):
@@ -75,6 +79,8 @@ def make_sampler(kind: str, n: int, world: int | None, rank: int | None, **kw) -
         return ShardedDistributedSampler(data, world, rank, **kw)
     if kind == "sharded_node":
         return ShardedDistributedSampler(data, world, rank, shard_by="node", local_world_size=2, **kw)
+    if kind == "canonical":
+        return ShardedDistributedSampler(data, world, rank, canonical_shards=CANONICAL, **kw)
     raise ValueError(kind)
 
 
@@ -267,7 +273,7 @@ def report_mixing(n: int, batch: int, epochs: int, world: int = 4) -> None:
     print("|" + "---|" * (head.count("|") - 1))
     all_pairs = n * (n - 1) // 2
     results = {}
-    for kind in ("torch", "sharded", "sharded_node"):
+    for kind in ("torch", "sharded", "sharded_node", "canonical"):
         ss = [make_sampler(kind, n, world, r) for r in range(world)]
         local: set[tuple[int, int]] = set()
         glob: set[tuple[int, int]] = set()
@@ -288,11 +294,118 @@ def report_mixing(n: int, batch: int, epochs: int, world: int = 4) -> None:
             ceiling = sum(len(sh) * (len(sh) - 1) // 2 for sh in shards)
         results[kind] = (len(local), ceiling, len(glob))
     for kind, (count, ceiling, glob_count) in results.items():
-        label = {"sharded": "sharded, shard_by='rank'", "sharded_node": "sharded, shard_by='node'"}.get(kind, kind)
+        label = {"sharded": "sharded, shard_by='rank'", "sharded_node": "sharded, shard_by='node'",
+                 "canonical": f"sharded, canonical_shards={CANONICAL}"}.get(kind, kind)  # fmt: skip
         print(
             f"| {label} | {count} | {count / all_pairs:.1%} | {count / results['torch'][0]:.2f}x "
             f"| {ceiling / all_pairs:.0%} | {glob_count / all_pairs:.1%} |"
         )
+
+
+def _reads(samplers, epoch: int) -> list[list[int]]:
+    out = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        out.append(list(s))
+    return out
+
+
+def _global_order(reads: list[list[int]]) -> list[int]:
+    return [r[j] for j in range(max(map(len, reads))) for r in reads if j < len(r)]
+
+
+def report_world_sizes(n: int, epochs: int, global_batch: int) -> None:
+    """The world-size-independent order against the default one on 1 to 8 ranks: order, hits, fill, mixing."""
+    print(
+        f"\n## 4. World sizes 1, 2, 4, 8: the default order against canonical_shards={CANONICAL}; {n} items, "
+        f"{epochs} epochs, per-rank cache of ceil({n} / world) items, global batch {global_batch} "
+        "(computed from the samplers)\n"
+    )
+    head = (
+        "| order | world | same global order as 1 rank (epochs) | items computed, e0 (fill) | hit rate e>=1 "
+        f"| global-batch pairs met (share of all) | the same, global batch {global_batch // 4} |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    all_pairs = n * (n - 1) // 2
+    for kind in ("sharded", "canonical"):
+        reference = [_global_order(_reads([make_sampler(kind, n, 1, 0)], e)) for e in range(epochs)]
+        for world in (1, 2, 4, 8):
+            ss = [make_sampler(kind, n, world, r) for r in range(world)]
+            caches: list[set[int]] = [set() for _ in range(world)]
+            same = computed0 = hits = reads_after = 0
+            pairs: set[tuple[int, int]] = set()
+            small: set[tuple[int, int]] = set()  # a global batch smaller than canonical_shards
+            for e in range(epochs):
+                reads = _reads(ss, e)
+                order = _global_order(reads)
+                same += order == reference[e]
+                for step in range(0, len(order), global_batch):
+                    pairs.update(itertools.combinations(sorted(set(order[step : step + global_batch])), 2))
+                for step in range(0, len(order), global_batch // 4):
+                    small.update(itertools.combinations(sorted(set(order[step : step + global_batch // 4])), 2))
+                for cache, r in zip(caches, reads):
+                    for i in r:
+                        hit = i in cache
+                        computed0 += e == 0 and not hit
+                        if e > 0:
+                            hits += hit
+                            reads_after += 1
+                        if not hit and len(cache) < math.ceil(n / world):
+                            cache.add(i)
+            label = "default (shard-local)" if kind == "sharded" else f"canonical_shards={CANONICAL}"
+            print(
+                f"| {label} | {world} | {same}/{epochs} | {computed0} | {hits / reads_after:.0%} "
+                f"| {len(pairs)} ({len(pairs) / all_pairs:.1%}) | {len(small)} ({len(small) / all_pairs:.1%}) |"
+            )
+
+
+def report_resume(n: int, batch: int) -> None:
+    """An epoch interrupted on 2 nodes of 2 ranks and taken up by 1 node of 2 ranks (node 1 is lost)."""
+    print(
+        f"\n## 5. Resume on another world size: {n} items, node caches (shard_by='node'), 2 nodes x 2 ranks read "
+        f"epochs 0-1 and half of epoch 2 (batch {batch}), then node 1 is lost and 1 node x 2 ranks goes on; "
+        "node 0's cache survives (computed from the samplers)\n"
+    )
+    head = "| what the job does | epoch 2: items read twice | never read | items computed, rest of e2 + e3 |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+
+    def node_samplers(world: int) -> list[ShardedDistributedSampler]:
+        return [
+            ShardedDistributedSampler(range(n), world, r, seed=1, shard_by="node", local_world_size=2)
+            for r in range(world)
+        ]
+
+    for how in ("resume on the new layout (load_state_dict)", "restart the epoch", "skip to the next epoch"):
+        old = node_samplers(4)
+        cache: set[int] = set()  # node 0's cache: the items its ranks (0, 1) read
+        for e in range(2):
+            for r, lst in enumerate(_reads(old, e)):
+                if r < 2:
+                    cache.update(lst)
+        for s in old:
+            s.set_epoch(2)
+        half = (len(old[0].indices_for_epoch(2)) // (2 * batch)) * batch
+        before = [lst[:half] for lst in (s.indices_for_epoch(2) for s in old)]
+        for r in range(2):
+            cache.update(before[r])
+        new = node_samplers(2)
+        if how.startswith("resume"):
+            for s in new:
+                s.load_state_dict(old[0].state_dict(consumed=half))
+            rest = _reads(new, 2)
+        elif how.startswith("restart"):
+            rest = _reads(new, 2)
+        else:
+            rest = [[], []]
+        counts = Counter(x for lst in before + rest for x in lst)
+        computed = 0
+        for lst in rest + _reads(new, 3):
+            for x in lst:
+                computed += x not in cache
+                cache.add(x)
+        print(f"| {how} | {sum(c > 1 for c in counts.values())} | {n - len(counts)} | {computed} |")
 
 
 def main() -> None:
@@ -307,10 +420,12 @@ def main() -> None:
         cfg = {"n_items": 96, "epochs": 3, "repeats": 3, "batch_size": 4, "miss_elems": 150_000}
         cov = (101, 4, 8)
         mix = (96, 4, 10)
+        sizes, resume = (96, 4, 16), (96, 4)
     else:
         cfg = {"n_items": 400, "epochs": 5, "repeats": 5, "batch_size": 4, "miss_elems": 300_000}
         cov = (101, 4, 30)
         mix = (200, 4, 30)
+        sizes, resume = (400, 5, 32), (400, 4)
     t0 = time.perf_counter()
     for _ in range(3):
         miss_work(0, cfg["miss_elems"])
@@ -320,6 +435,8 @@ def main() -> None:
     report_gloo(rows, cfg, miss_ms)
     report_coverage(*cov)
     report_mixing(*mix)
+    report_world_sizes(*sizes)
+    report_resume(*resume)
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
 
 

@@ -81,16 +81,21 @@ def _launch(world: int, script: Path, out: Path, env_of_rank) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, list[dict]]:
-    """Launch both ranks once; return {sampler name: [rank 0 result, rank 1 result]}."""
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Launch both ranks once: the samplers under torchrun's variables, then the layout checks without them."""
 
     def torchrun_env(rank: int) -> dict[str, str]:  # what torchrun --nnodes=1 --nproc-per-node=2 sets
         return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(WORLD), "GROUP_RANK": "0"}  # fmt: skip
 
-    per_rank = _launch(WORLD, WORKER, tmp_path_factory.mktemp("gloo"), torchrun_env)
+    return _launch(WORLD, WORKER, tmp_path_factory.mktemp("gloo"), torchrun_env)
+
+
+@pytest.fixture(scope="module")
+def results(two_ranks) -> dict[str, list[dict]]:
+    """{sampler name: [rank 0 result, rank 1 result]}."""
     by_name: dict[str, list[dict]] = {}
-    for data in per_rank:
+    for data in two_ranks:
         assert data["world"] == WORLD
         for res in data["results"]:
             by_name.setdefault(res["name"], []).append(res)
@@ -151,13 +156,10 @@ def test_coverage_and_fixed_shards(results, name):
 # ----------------------------------------------------------------------------- launchers without LOCAL_WORLD_SIZE
 
 
-def _lightning_like_env(rank: int) -> dict[str, str]:
-    """What Lightning's launcher (and, by their own names, srun or mpirun) gives a rank: no LOCAL_WORLD_SIZE."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
-
-
-def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(tmp_path):
-    ranks = _launch(WORLD, LAYOUT_WORKER, tmp_path, _lightning_like_env)
+def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(two_ranks):
+    # the 2 ranks, after their torchrun-like checks, without LOCAL_WORLD_SIZE and GROUP_RANK (as Lightning's
+    # launcher, srun or mpirun start ranks)
+    ranks = [r["layout"] for r in two_ranks]
     # both ranks run on this machine: one node of two ranks, as if local_world_size=2 had been passed
     assert [r["layout"] for r in ranks] == [[2, 0, 0], [2, 0, 1]]
     for r in ranks:
@@ -170,15 +172,71 @@ def test_node_mode_finds_the_ranks_of_the_machine_without_local_world_size(tmp_p
     assert "local_world_size=" in ranks[0]["mismatch_error"]
 
 
-def test_node_mode_rejects_ranks_not_numbered_by_machine(tmp_path):
-    # 4 ranks on two simulated machines, dealt round-robin (srun --distribution=cyclic, mpirun --map-by node)
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    """4 ranks on two simulated machines, dealt round-robin (srun --distribution=cyclic, mpirun --map-by node).
+
+    The same launch then plays 1, 2 and 4 ranks in sub-groups (_sampler_scripts/world_size_worker.py).
+    """
+
     def env(rank: int) -> dict[str, str]:
         machine = "ab"[rank % 2]
         return {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank // 2), "MONAI_CACHE_NODE_ID": machine}
 
-    ranks = _launch(4, LAYOUT_WORKER, tmp_path, env)
-    for r in ranks:
+    return _launch(4, LAYOUT_WORKER, tmp_path_factory.mktemp("four_ranks"), env)
+
+
+def test_node_mode_rejects_ranks_not_numbered_by_machine(four_ranks):
+    for r in four_ranks:
         assert "layout" not in r, r
         assert "numbered contiguously" in r["error"]
         assert "a: ranks [0, 2]; b: ranks [1, 3]" in r["error"]
         assert "shard_by='rank'" in r["error"]
+
+
+# ----------------------------------------------------------------------------- world sizes: one launch of 4 ranks
+
+
+@pytest.fixture(scope="module")
+def world_sizes(four_ranks) -> dict:
+    return four_ranks[0]["world_sizes"]
+
+
+def _interleaved(steps: list[list[list[int]]]) -> list[int]:
+    """The global order of an epoch: step by step, position ``j * world + r`` is rank r's j-th index."""
+    order = []
+    for batches in steps:
+        order += [b[i] for i in range(len(batches[0])) for b in batches]
+    return order
+
+
+def test_canonical_order_is_the_same_on_1_2_and_4_gloo_ranks(world_sizes):
+    canonical = world_sizes["canonical"]
+    assert sorted(canonical) == ["1", "2", "4"]
+    for world, epochs in canonical.items():
+        for e, steps in enumerate(epochs):
+            # item by item: the same global order as one rank, and the same global batch at every step
+            assert _interleaved(steps) == _interleaved(canonical["1"][e]), f"world {world}, epoch {e}"
+            assert [sorted(x for batch in b for x in batch) for b in steps] == [
+                sorted(x for batch in b for x in batch) for b in canonical["1"][e]
+            ]
+            # each rank reads its own rank shard, as with the default order, so its cache hits from epoch 1
+            assert all(x % int(world) == r for b in steps for r, batch in enumerate(b) for x in batch)
+    assert sorted(_interleaved(canonical["1"][0])) == list(range(40))
+    assert _interleaved(canonical["1"][0]) != _interleaved(canonical["1"][1])  # a new order every epoch
+    # the default (shard-local) order depends on the world size: what canonical_shards is for
+    assert _interleaved(world_sizes["default"]["2"][0]) != _interleaved(world_sizes["default"]["4"][0])
+
+
+def test_an_epoch_started_on_4_ranks_finishes_on_2_exactly_once(world_sizes):
+    plain, gathered = world_sizes["plain"], world_sizes["gathered"]
+    assert gathered == {**plain, "consumed_by_rank": [6, 6, 6, 6]}  # lockstep: rank 0's state says it all
+    resume = world_sizes["resume"]
+    before = [x for b in resume["before"] for batch in b for x in batch]
+    rest = [x for b in resume["rest"] for batch in b for x in batch]
+    assert len(before) == 24 and len(rest) == 16  # 3 steps of 2 on 4 ranks; the other 16 on 2 ranks
+    assert sorted(before + rest) == list(range(40))  # every item of epoch 1 once, across both layouts
+    # the next epoch is the normal epoch of the new layout (one node of two ranks)
+    for r in range(2):
+        expected = ShardedDistributedSampler(range(40), 2, r, seed=3, shard_by="node", local_world_size=2)
+        assert [x for b in resume["next"] for x in b[r]] == expected.indices_for_epoch(2)

@@ -96,8 +96,15 @@ def main() -> None:
         # local_world_size from LOCAL_WORLD_SIZE (checked against LOCAL_RANK / GROUP_RANK)
         run("sharded_node", lambda ds: ShardedDistributedSampler(ds, seed=1, shard_by="node"), world),
     ]
+    # the same ranks then play a launcher that does not set LOCAL_WORLD_SIZE (Lightning, srun, mpirun): one launch
+    # of processes instead of two
+    for var in ("LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        os.environ.pop(var, None)
+    from node_layout_worker import check_layout
+
+    layout = check_layout(world, rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, "results": results}, f)
+        json.dump({"rank": rank, "world": world, "results": results, "layout": layout}, f)
     dist.barrier()
     dist.destroy_process_group()
 
