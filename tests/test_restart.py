@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -110,3 +111,62 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
         SharedMemoryStore("bad", 2)
     with pytest.raises(ValueError, match="keep_alive"):
         SharedMemoryStore("bad", 2, keep_alive=-1)
+
+
+def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tmp_path):
+    """Two torchrun agents as two nodes (``--nnodes=1:2``, c10d on 127.0.0.1, a shared-memory directory each);
+    node B is killed mid-epoch (agent and rank); node A finishes the epoch alone, each item once, on its cache."""
+    import signal
+
+    import torch.distributed as dist
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    # The test hosts the rendezvous store (is_host=0 for both agents), so that either node can be lost.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    shm = {node: f"/dev/shm/mc-test-elastic-{node}-{os.getpid()}" for node in "AB"}
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        for node in "AB":
+            os.makedirs(shm[node])
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NODE": node}
+            env["MONAI_CACHE_SHM_DIR"] = shm[node]
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+            argv = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+                "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                str(SCRIPTS / "elastic_rank.py"), str(out),
+            ]  # fmt: skip
+            with open(tmp_path / f"{node}.log", "wb") as log:
+                agents[node] = subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        _wait_until(lambda: (out / "B.parked").exists() or agents["A"].poll() is not None, "B never parked", 300)
+        assert (out / "B.parked").exists(), (tmp_path / "A.log").read_text(errors="replace")[-3000:]
+        os.killpg(agents["B"].pid, signal.SIGKILL)  # node B is lost: its agent and its rank (a session of its own)
+        os.kill(int((out / "B.parked").read_text()), signal.SIGKILL)
+        agents["B"].wait(60)
+        code = agents["A"].wait(HANG_GUARD_S)
+        assert code == 0, (tmp_path / "A.log").read_text(errors="replace")[-4000:]
+        first, second = (json.loads((out / f"A.attempt{a}.json").read_text()) for a in (0, 1))
+        assert first["world"] == 2 and second["world"] == 1  # the survivor went on alone
+        ckpts = [json.loads((out / f"ckpt.{node}.json").read_text()) for node in "AB"]
+        for epoch in range(EPOCHS):  # each item of each epoch trained on once, the interrupted one included
+            seen = sorted(i for c in ckpts for i in c["seen"].get(str(epoch), []))
+            assert seen == list(range(N_ITEMS)), (epoch, [c["seen"] for c in ckpts])
+        calls_a = [int(x) for x in (out / "calls.A.log").read_text().split()]
+        assert len(calls_a) == len(set(calls_a))  # node A never computed an item twice: its cache kept every entry
+        assert second["entries"] == N_ITEMS // 2  # its shard, cached in epoch 0, found by the restarted rank
+        for root in (os.path.join(shm[node], f"monai_cache-{os.getuid()}") for node in "AB"):
+            # both agents are gone: their keepers removed the caches
+            _wait_until(lambda r=root: not [n for n in os.listdir(r) if not n.startswith(".")], f"left in {root}")
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for path in shm.values():
+            shutil.rmtree(path, ignore_errors=True)
+        del store
