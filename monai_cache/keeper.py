@@ -10,9 +10,9 @@ longer than the processes that read it:
   ranks find every entry. The agent is the ranks' parent (torchrun starts them), named by its pid and its start
   time (a reused pid is not mistaken for it), and handed down in ``$MONAI_CACHE_AGENT`` to the processes a rank
   starts (spawned DataLoader workers). The keeper waits on it with a ``pidfd``; when the agent exits, normally
-  or killed, the keeper removes the cache (unless ``keep_alive`` asks it to wait). A job killed outright (the
-  keeper too) leaves a cache whose lease nobody holds: the next process that joins any cache reclaims it, as
-  always.
+  or killed, the keeper removes the cache (unless ``keep_alive`` asks it to wait) once no other process uses it:
+  ranks orphaned by a killed agent may still run, and may be killed in turn. A job killed outright (the keeper
+  too) leaves a cache whose lease nobody holds: the next process that joins any cache reclaims it, as always.
 * **keep_alive.** Outside torchrun, ``keep_alive=SECONDS`` (or ``$MONAI_CACHE_KEEP_ALIVE``) makes the last user of a
   cache start a keeper that holds it ``SECONDS`` more: a script or notebook run again within that time finds it
   warm. Every user that leaves meanwhile moves the deadline (the lease file's mtime).
@@ -199,7 +199,12 @@ def main(args: list[str]) -> None:
     try:
         if pid:
             _wait_for(pid, start_time, path)
-        _linger(path, linger)
-        release_keeper(root, path, lease, _mark(path, pid), mark)
+        while True:
+            _linger(path, linger)
+            held = release_keeper(root, path, lease, _mark(path, pid), mark)
+            if held is None:
+                break
+            lease = held  # still in use (e.g. ranks a killed agent left behind): the last of them may be killed too
+            time.sleep(_CHECK_SECONDS)
     finally:
         os._exit(0)

@@ -623,21 +623,28 @@ class CacheDirectory:
         self.leave()
 
 
-def release_keeper(root: str, path: str, lease_fd: int, mark: str, mark_fd: int) -> None:
-    """A keeper's end (:mod:`monai_cache.keeper`): drop its lease and mark, and remove the cache if nobody else
-    holds a lease on it (and it is not kept), as its last user would have."""
+def release_keeper(root: str, path: str, lease_fd: int, mark: str, mark_fd: int) -> int | None:
+    """A keeper's end (:mod:`monai_cache.keeper`): if nobody else holds a lease, drop its own and its mark and remove
+    the cache (unless kept), as its last user would have; returns None. If others still use it (ranks orphaned by a
+    killed agent), keep holding: returns the keeper's lease descriptor (a new one) to try again later."""
     with _RootLock(root):
         os.close(lease_fd)
+        lease = os.path.join(path, "lease")
+        fd = _try_exclusive(lease, create=False)
+        if fd is None and os.path.isdir(path):
+            with contextlib.suppress(OSError):
+                again = os.open(lease, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fcntl.flock(again, fcntl.LOCK_SH)  # others hold it shared: granted at once (we hold the root lock)
+                return again
         _unlink_quiet(mark)
         os.close(mark_fd)
-        if os.path.exists(os.path.join(path, "keep")):
-            return
-        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
         if fd is not None:
             try:
-                _remove_dir(path)
+                if not os.path.exists(os.path.join(path, "keep")):
+                    _remove_dir(path)
             finally:
                 os.close(fd)
+        return None
 
 
 # ------------------------------------------------------------------------------------ the process registry
