@@ -10,12 +10,14 @@ item; ``--quick`` runs 2,000 items and no large item, the full mode that script'
 10,000 items and 256 MiB; its 100,000-item, 2 GiB run takes about 15 minutes and is run by hand, see
 docs/scale.md), ``bench_loader.py`` (DataLoader: warm epochs, main-process CPU per batch; ``--quick`` runs
 that script's ``--quick`` mode for MONAI's loader and ours, the full mode every configuration, about 30
-minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks) and
+minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks),
 ``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
-``CacheDataset(cache_dir=...)`` against a cold start). Each runs as a subprocess; every ratio in their tables
-is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
-describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
-(epoch time per epoch, memory across processes, bytes on disk per item, warm epochs per loader).
+``CacheDataset(cache_dir=...)`` against a cold start) and ``bench_restart.py`` (a rank's crash under
+``torchrun --max-restarts=1``: time to the first batch after the restart, items computed again). Each runs as a
+subprocess; every ratio in their tables is against stock MONAI measured in the same run. This module runs them,
+prints their tables as they come, describes the machine (cores, memory, CPU model, load average) and writes
+the Markdown report and PNG plots (epoch time per epoch, memory across processes, bytes on disk per item, warm
+epochs per loader).
 
 ``--quick`` runs reduced versions that finish in a few minutes on an idle 2-core machine.
 """
@@ -38,7 +40,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -124,11 +126,13 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         scale += ["--quick"]
     smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
     tiers = [py, str(bench_dir / "bench_tiers.py"), "--out", str(work / "tiers")]
+    restart = [py, str(bench_dir / "bench_restart.py")]
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
         tiers += ["--quick"]
+        restart += ["--items", "8", "--shape", "64,64,48", "--crop", "32", "--repeats", "1"]
     return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "loader": loader,
-            "smartcache": smartcache, "tiers": tiers}
+            "smartcache": smartcache, "tiers": tiers, "restart": restart}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -285,6 +289,8 @@ _TITLES = {
     "smartcache": "SmartCacheDataset — `benchmarks/bench_smartcache.py` (details: [smartcache.md](smartcache.md))",
     "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `benchmarks/bench_tiers.py` "
     "(details: [tiers.md](tiers.md))",
+    "restart": "A rank's crash under torchrun --max-restarts — `benchmarks/bench_restart.py` "
+    "(details: [distributed.md](distributed.md#restarts-and-elastic-jobs))",
 }
 
 
@@ -451,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
             elif name == "persistent":
                 r["data"] = _read_json(work / "persistent.json")
-            elif name == "sampler" and rc == 0:
+            elif name in ("sampler", "restart") and rc == 0:
                 r["markdown"] = _demote_headings(_clean_output(output))
             elif name == "scale":
                 r["data"] = _read_json(work / "scale" / "bench_scale.json")

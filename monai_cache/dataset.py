@@ -24,6 +24,7 @@ from monai_cache import __version__, codec
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
+from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, cache_stats, release_freed_memory
 from monai_cache.shm import SharedMemoryStore
@@ -149,6 +150,10 @@ class CacheDataset(_MonaiCacheDataset):
             fit are served uncached, with one warning.
         keep_warm: keep the cache in shared memory after the last process using it exits, so the next run
             on this machine starts warm (remove it with ``monai-cache clear --all``).
+        keep_alive: seconds to keep the cache after the last process using it leaves, for a script or notebook
+            run again within that time; ``None`` reads ``$MONAI_CACHE_KEEP_ALIVE`` (which every dataset class
+            honours), else 0: removed at once, as before. Under torchrun the cache lives while the node's agent
+            does (restarted ranks find it), then this many seconds more. See docs/shared-memory.md.
         allow_pickle: cache values that the codec cannot store natively (arbitrary objects) with pickle.
             Off by default: loading a cache never unpickles.
         cache_key: name the cache explicitly instead of fingerprinting data, transforms and options (for
@@ -200,9 +205,11 @@ class CacheDataset(_MonaiCacheDataset):
         cache_dir: str | os.PathLike | None = None,
         shared_dir: bool = False,
         process_cache: bool | None = None,
+        keep_alive: float | None = None,
     ) -> None:
         self._init_shared_memory(
-            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir, process_cache
+            shared_memory, shm_dir, shm_budget, keep_warm, allow_pickle, cache_key, cache_dir, shared_dir,
+            process_cache, keep_alive=keep_alive,
         )
         # By name, as MONAI's own subclasses call it: in the apps datasets' MRO (ours, then MONAI's app class) a
         # user's ``super(DecathlonDataset, self).__init__(data, transform, ...)`` lands here, and must go on to
@@ -234,6 +241,7 @@ class CacheDataset(_MonaiCacheDataset):
         cache_dir: str | os.PathLike | None = None,
         shared_dir: bool = False,
         process_cache: bool | None = None,
+        keep_alive: float | None = None,
     ) -> None:
         """Our options, set before MONAI's ``CacheDataset.__init__`` (which calls :meth:`set_data`). Subclasses
         whose MONAI counterpart calls ``monai.data.CacheDataset.__init__`` by name (MONAI's apps datasets) call
@@ -248,6 +256,7 @@ class CacheDataset(_MonaiCacheDataset):
         self.shm_dir = shm_dir
         self.shm_budget = shm_budget
         self.keep_warm = keep_warm
+        self.keep_alive = keep_alive_seconds(keep_alive)
         self.allow_pickle = allow_pickle
         self.cache_key = cache_key
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
@@ -341,6 +350,7 @@ class CacheDataset(_MonaiCacheDataset):
             shm_dir=self.shm_dir,
             budget=self.shm_budget,
             keep_warm=self.keep_warm,
+            keep_alive=self.keep_alive,
             allow_pickle=self.allow_pickle,
             describe=_EntryName(self._cache_data_index),
             disk_tier=self.cache_dir,

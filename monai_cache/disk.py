@@ -55,7 +55,7 @@ from monai_cache.disk_format import (
     read_blob,
     stored_entries,
 )
-from monai_cache.disk_writer import AsyncWriter, DirectoryGone, EntryWriter, Reservation
+from monai_cache.disk_writer import AsyncWriter, DirectoryGone, EntryWriter, Reservation, adopt_written
 from monai_cache.errors import (
     CacheFullWarning,
     CacheUnavailableWarning,
@@ -262,7 +262,7 @@ class DiskStore:
         if problem is not None:
             store.disable_writes(f"{problem}. Training continues uncached; pass a writable cache_dir to cache.")
         else:
-            sweep_temp_files(store.directory)
+            sweep_temp_files(store.directory, adopt=adopt_written)  # a killed writer's complete entries are kept
         return store
 
     # -- process-local state (not pickled, renewed in a forked child) --

@@ -42,16 +42,19 @@ from monai_cache.disk_format import (
     index_header,
     index_record,
     key_tag,
+    read_header,
     write_record,
 )
+from monai_cache.errors import CorruptEntryError
 from monai_cache.runtime import HOST_TAG, temp_name
 
-__all__ = ["AsyncWriter", "DirectoryGone", "EntryWriter", "Published", "Reservation"]
+__all__ = ["AsyncWriter", "DirectoryGone", "EntryWriter", "Published", "Reservation", "adopt_written"]
 
 _pack_numbers = itertools.count()  # per process: two stores of one process never share a pack
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _OPEN = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 WRITER_IDLE_SECONDS = 2.0
+_LABEL_MAX = 160  # of an entry key in a temporary file's name (a longer key's file is never adopted)
 
 
 class DirectoryGone(OSError):
@@ -133,7 +136,9 @@ class EntryWriter:
             if pack is None or pack.removed or pack.size >= PACK_MAX_BYTES:
                 pack = self._pack = self._new_pack()
             return Reservation(None, pack, replace)
-        temp = os.path.join(self.directory, temp_name(key[:16]))
+        # The whole key names the temporary file: a killed writer's complete entry can be finished by the next
+        # process that opens the directory (adopt_written).
+        temp = os.path.join(self.directory, temp_name(key[:_LABEL_MAX]))
         try:
             os.close(os.open(temp, _CREATE, 0o600))
         except FileNotFoundError:
@@ -294,6 +299,50 @@ class EntryWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def adopt_written(path: str, name: str) -> bool:
+    """Finish the entry file a killed writer completed but did not publish: rename it to its entry's name.
+
+    A large entry is written into a temporary file by the writer thread and renamed by the next call into the
+    store (or at exit); a process killed in between leaves a complete entry under a temporary name. Its header
+    is written last and binds it to its key and size, so a valid header means a complete record (the payload's
+    checksum is checked at every read, as for any entry). Passed to :func:`monai_cache.runtime.sweep_temp_files`
+    by :meth:`monai_cache.disk.DiskStore.open`, for the left-overs of dead writers only.
+
+    Args:
+        path: the temporary file.
+        name: its name (``.<key>.<host>.<pid>.w<n>.tmp``).
+
+    Returns:
+        True if it is now the entry (or another process adopted it first); False to remove it.
+    """
+    parts = name.split(".")
+    if len(parts) != 6 or not parts[4].startswith("w"):
+        return False
+    key = parts[1]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return True  # adopted or swept by another process meanwhile
+    except OSError:
+        return False
+    try:
+        read_header(os.pread(fd, HEADER_SIZE, 0), key, os.fstat(fd).st_size)
+    except (CorruptEntryError, OSError):
+        return False
+    finally:
+        os.close(fd)
+    final = os.path.join(os.path.dirname(path), key + ENTRY_SUFFIX)
+    if os.path.exists(final):  # written again since: the file under the name wins, this copy goes
+        return False
+    try:
+        os.rename(path, final)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 class AsyncWriter:

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -636,13 +636,17 @@ def temp_owner(name: str) -> tuple[str, int] | None:
     return parts[2], int(parts[3])
 
 
-def sweep_temp_files(directory: str, max_age: float = STALE_TMP_SECONDS) -> list[tuple[str, int]]:
+def sweep_temp_files(
+    directory: str, max_age: float = STALE_TMP_SECONDS, adopt: Callable[[str, str], bool] | None = None
+) -> list[tuple[str, int]]:
     """Remove temporary files left by killed writers: those of dead processes of this machine, and any older
     than ``max_age`` seconds.
 
     Args:
         directory: where to look.
         max_age: age in seconds after which a temporary file counts as left over, whoever wrote it.
+        adopt: called as ``adopt(path, name)`` for each left-over first; when it returns True it took the file
+            (e.g. a complete entry renamed to its name), which is then neither removed nor counted.
 
     Returns:
         ``[(path, size), ...]`` of the files removed by this call.
@@ -663,6 +667,8 @@ def sweep_temp_files(directory: str, max_age: float = STALE_TMP_SECONDS) -> list
             continue
         dead = owner[0] == HOST_TAG and not pid_alive(owner[1])
         if dead or now - st.st_mtime > max_age:
+            if adopt is not None and adopt(entry.path, entry.name):
+                continue
             try:
                 os.unlink(entry.path)
             except OSError:

@@ -41,6 +41,7 @@ from monai_cache.errors import (
     UncachedItemWarning,
     warn,
 )
+from monai_cache.keeper import keep_alive_seconds
 from monai_cache.memory_limits import MachineMemory, read_machine
 from monai_cache.runtime import COUNTERS, OFDLock, cache_stats, freed_large_item, release_freed_memory
 from monai_cache.shm_directory import (
@@ -93,6 +94,10 @@ class SharedMemoryStore:
         budget: most bytes this cache may take in shared memory (an int or a string like ``"8GiB"``);
             ``None`` for no limit other than the free space of ``shm_dir`` (minus a reserve).
         keep_warm: keep the cache after the last process using it exits, for the next run.
+        keep_alive: seconds to keep the cache after the last process using it leaves (a script or notebook run
+            again within that time finds it warm); ``None`` reads ``$MONAI_CACHE_KEEP_ALIVE``, else 0 (removed at
+            once, unless ``keep_warm``). Under torchrun the cache lives as long as the node's agent whatever this
+            says, so that restarted ranks find it; then this many seconds more.
         allow_pickle: store and load values the codec cannot encode with pickle. Off by default.
         reserve: bytes of ``shm_dir`` left free for others (DataLoader workers pass batches through
             ``/dev/shm``); by default the smaller of 512 MiB and a quarter of its size.
@@ -117,6 +122,7 @@ class SharedMemoryStore:
         "_dir",
         "_finalizer",
         "_keep",
+        "_keep_alive",
         "_length",
         "_pack",
         "_pid",
@@ -139,6 +145,7 @@ class SharedMemoryStore:
         shm_dir: str | None = None,
         budget: int | str | None = None,
         keep_warm: bool = False,
+        keep_alive: float | None = None,
         allow_pickle: bool = False,
         reserve: int | str | None = None,
         describe: Callable[[int], str] | None = None,
@@ -156,11 +163,12 @@ class SharedMemoryStore:
         self._budget = parse_bytes(budget, "shm_budget")
         self._reserve = parse_bytes(reserve, "reserve")
         self._keep = bool(keep_warm)
+        self._keep_alive = keep_alive_seconds(keep_alive)
         self._allow_pickle = bool(allow_pickle)
         self._describe = describe
         self._verify = bool(verify)
         self._pack = bool(pack)
-        self._dir = acquire(cache_root(self._shm_dir), key, self._keep)
+        self._dir = acquire(cache_root(self._shm_dir), key, self._keep, self._keep_alive)
         self._dir.record_length(self._length)
         if disk_tier is not None:
             self._dir.record_disk_tier(disk_tier)

@@ -7,6 +7,8 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
         <key>/                         one directory per dataset fingerprint
             lease                      every process using the cache holds a shared flock on it
             keep                       present when the cache is to outlive its users (keep_warm=True)
+            keeper.<pid>               flock'ed by the keeper holding the cache while torchrun's agent <pid>
+                                       lives (keeper.0: for keep_alive seconds); monai_cache.keeper
             disk_tier                  the disk cache directory behind this cache, if any (one line)
             length                     how many entries the cache has room for (one line; monai-cache top)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
@@ -24,7 +26,9 @@ files, its counters, and its lease. :func:`list_caches` and :func:`remove_cache`
 
 Lifetime: each process using a cache holds a shared ``flock`` on its lease file; the kernel drops it when the
 process dies. The last process to leave normally removes the cache. A cache whose lease nobody holds is stale
-(its users crashed) and is reclaimed by the next process that joins any cache, unless it is kept.
+(its users crashed) and is reclaimed by the next process that joins any cache, unless it is kept. Under torchrun
+a keeper process holds a lease while the node's agent lives, so that restarted ranks find the cache; with
+``keep_alive`` one holds it that many seconds after its last user left (:mod:`monai_cache.keeper`).
 
 Why plain files and not ``multiprocessing.shared_memory``: on Linux POSIX shared memory *is* a tmpfs file,
 and Python 3.11's ``SharedMemory`` registers every segment with a resource tracker that unlinks it when any
@@ -48,6 +52,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from monai_cache import keeper
 from monai_cache.memory_limits import read_machine
 from monai_cache.runtime import (
     COUNTERS,
@@ -286,15 +291,18 @@ class CacheDirectory:
         root: the per-user root (:func:`cache_root`).
         key: the cache's name.
         keep: keep the cache after its last user leaves (``keep_warm``).
+        keep_alive: seconds to keep the cache after its last user leaves (or, under torchrun, after the node's
+            agent exits): :mod:`monai_cache.keeper`.
     """
 
-    def __init__(self, root: str, key: str, keep: bool) -> None:
+    def __init__(self, root: str, key: str, keep: bool, keep_alive: float = 0.0) -> None:
         self.root = root
         self.key = key
         self.path = os.path.join(root, key)
         self.refs = 0
         self.owner_pid = os.getpid()
         self.lease_fd = -1
+        self.keep_alive = keep_alive
         self._join(keep)
         self.counters = SharedCounters(FIELDS, os.path.join(self.path, "stats"), MAGIC)
         self._sweep_dead_writers()
@@ -531,6 +539,10 @@ class CacheDirectory:
             self.lease_fd = fd
             if keep:
                 _touch_private(os.path.join(self.path, "keep"))
+            else:
+                agent = keeper.torchrun_agent()
+                if agent is not None:  # the cache outlives a restart of the node's ranks: held while the agent lives
+                    keeper.start(self.path, self.root, agent, self.keep_alive)
             if fresh or wiped or magic != MAGIC:
                 fresh_counters = SharedCounters(FIELDS, stats_path, MAGIC)
                 fresh_counters.reset()
@@ -575,7 +587,17 @@ class CacheDirectory:
             if os.path.exists(os.path.join(self.path, "keep")):
                 self.close_files()
                 return False
-            fd = _try_exclusive(os.path.join(self.path, "lease"))
+            lease = os.path.join(self.path, "lease")
+            if self.keep_alive > 0:
+                with contextlib.suppress(OSError):
+                    os.utime(lease)  # a keeper's deadline counts from the last user's leaving
+            fd = _try_exclusive(lease)
+            if fd is not None and self.keep_alive > 0:
+                os.close(fd)  # nobody else can join meanwhile: we hold the root lock
+                if keeper.start(self.path, self.root, None, self.keep_alive):
+                    fd = None  # held by the keeper now
+                else:
+                    fd = _try_exclusive(lease)
             if fd is None:
                 self.close_files()
                 return False
@@ -601,6 +623,30 @@ class CacheDirectory:
         self.leave()
 
 
+def release_keeper(root: str, path: str, lease_fd: int, mark: str, mark_fd: int) -> int | None:
+    """A keeper's end (:mod:`monai_cache.keeper`): if nobody else holds a lease, drop its own and its mark and remove
+    the cache (unless kept), as its last user would have; returns None. If others still use it (ranks orphaned by a
+    killed agent), keep holding: returns the keeper's lease descriptor (a new one) to try again later."""
+    with _RootLock(root):
+        os.close(lease_fd)
+        lease = os.path.join(path, "lease")
+        fd = _try_exclusive(lease, create=False)
+        if fd is None and os.path.isdir(path):
+            with contextlib.suppress(OSError):
+                again = os.open(lease, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fcntl.flock(again, fcntl.LOCK_SH)  # others hold it shared: granted at once (we hold the root lock)
+                return again
+        _unlink_quiet(mark)
+        os.close(mark_fd)
+        if fd is not None:
+            try:
+                if not os.path.exists(os.path.join(path, "keep")):
+                    _remove_dir(path)
+            finally:
+                os.close(fd)
+        return None
+
+
 # ------------------------------------------------------------------------------------ the process registry
 # One CacheDirectory per cache path and process, shared by every store of the process.
 _registry: dict[str, CacheDirectory] = {}
@@ -624,13 +670,14 @@ def _exit_critical() -> None:
         release(d)
 
 
-def acquire(root: str, key: str, keep: bool) -> CacheDirectory:
+def acquire(root: str, key: str, keep: bool, keep_alive: float = 0.0) -> CacheDirectory:
     """This process's handle on cache ``key`` (joined now if this process has none), with one more reference.
 
     Args:
         root: the per-user root (:func:`cache_root`).
         key: the cache's name.
         keep: keep the cache after its last user leaves.
+        keep_alive: seconds to keep it after its last user leaves (the longest its stores in this process ask).
     """
     path = os.path.join(root, key)
     _enter_critical()
@@ -638,10 +685,11 @@ def acquire(root: str, key: str, keep: bool) -> CacheDirectory:
         with _registry_lock:
             d = _registry.get(path)
             if d is None or d.owner_pid != os.getpid():  # none yet, or inherited through fork without a lease
-                d = CacheDirectory(root, key, keep)
+                d = CacheDirectory(root, key, keep, keep_alive)
                 _registry[path] = d
             elif keep:
                 _touch_private(os.path.join(d.path, "keep"))
+            d.keep_alive = max(d.keep_alive, keep_alive)
             d.refs += 1
             return d
     finally:

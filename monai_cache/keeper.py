@@ -1,0 +1,210 @@
+"""The keeper: a tiny detached process that keeps a shared-memory cache while its job may still need it.
+
+A cache lives while some process holds its lease (``monai_cache.shm_directory``). Two cases want it to live
+longer than the processes that read it:
+
+* **torchrun restarts.** When a rank fails, torchrun's elastic agent stops every rank of the node and starts them
+  again (``--max-restarts``; with ``--nnodes=MIN:MAX`` the world may change size then). For a moment no rank holds
+  the lease, and the cache would go with the last one. So the first process of a node that joins a cache under
+  torchrun starts a keeper that holds a lease of its own for as long as the node's agent lives: the restarted
+  ranks find every entry. The agent is the ranks' parent (torchrun starts them), named by its pid and its start
+  time (a reused pid is not mistaken for it), and handed down in ``$MONAI_CACHE_AGENT`` to the processes a rank
+  starts (spawned DataLoader workers). The keeper waits on it with a ``pidfd``; when the agent exits, normally
+  or killed, the keeper removes the cache (unless ``keep_alive`` asks it to wait) once no other process uses it:
+  ranks orphaned by a killed agent may still run, and may be killed in turn. A job killed outright (the keeper
+  too) leaves a cache whose lease nobody holds: the next process that joins any cache reclaims it, as always.
+* **keep_alive.** Outside torchrun, ``keep_alive=SECONDS`` (or ``$MONAI_CACHE_KEEP_ALIVE``) makes the last user of a
+  cache start a keeper that holds it ``SECONDS`` more: a script or notebook run again within that time finds it
+  warm. Every user that leaves meanwhile moves the deadline (the lease file's mtime).
+
+The keeper is a fresh interpreter started with ``-I`` that imports only the standard library and this package's
+torch-free modules (a few MB, a few tens of ms); it opens plain files and never ``multiprocessing.shared_memory``,
+so Python 3.11's resource tracker cannot unlink anything. It detaches (its own session, its parent gone at once),
+so torchrun's stopping of a rank's process group does not reach it. One keeper per cache and anchor: it holds an
+exclusive ``flock`` on ``keeper.<anchor>`` in the cache's directory while it lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import subprocess
+import sys
+import time
+
+__all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent"]
+
+ENV_AGENT = "MONAI_CACHE_AGENT"
+ENV_KEEP_ALIVE = "MONAI_CACHE_KEEP_ALIVE"
+_READY_TIMEOUT = 30.0  # seconds a joining process waits for a keeper to hold its lease (an interpreter start)
+_CHECK_SECONDS = 2.0  # how often a waiting keeper looks whether its cache was removed (monai-cache clear)
+_BOOT = (
+    "import os,sys\n"
+    "if os.fork(): os._exit(0)\n"  # detach: the starter reaps us at once, init adopts the keeper
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from monai_cache.keeper import main\n"
+    "main(sys.argv[2:])\n"
+)
+
+
+def keep_alive_seconds(value: float | None = None) -> float:
+    """``value`` if given, else ``$MONAI_CACHE_KEEP_ALIVE``, else 0: seconds a cache outlives its last user.
+
+    Raises:
+        ValueError: it is not a number >= 0 (the message names where it came from).
+    """
+    where = "keep_alive"
+    if value is None:
+        text = os.environ.get(ENV_KEEP_ALIVE, "").strip()
+        if not text:
+            return 0.0
+        where = f"${ENV_KEEP_ALIVE}={text!r}"
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{where} is not a number of seconds; set it to e.g. 600, or unset it") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{where} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def torchrun_agent() -> tuple[int, int] | None:
+    """``(pid, start time)`` of the torchrun agent that started this process, or None outside torchrun.
+
+    A rank (``$TORCHELASTIC_RUN_ID`` and ``$LOCAL_RANK`` set by the agent) is the agent's child; it records the agent
+    in ``$MONAI_CACHE_AGENT`` so that the processes it starts (spawned DataLoader workers) name the same one.
+    """
+    recorded = os.environ.get(ENV_AGENT, "")
+    if recorded:
+        with contextlib.suppress(ValueError):
+            pid, start = (int(x) for x in recorded.split(":"))
+            return pid, start
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or "LOCAL_RANK" not in os.environ:
+        return None
+    parent = os.getppid()
+    began = _start_time(parent) if parent > 1 else None
+    if began is None:
+        return None
+    os.environ[ENV_AGENT] = f"{parent}:{began}"
+    return parent, began
+
+
+def _mark(path: str, anchor: int) -> str:
+    return os.path.join(path, f"keeper.{anchor}")
+
+
+def running(path: str, anchor: int) -> bool:
+    """Whether a keeper of the cache at ``path`` for ``anchor`` (an agent's pid; 0: keep_alive) is alive."""
+    try:
+        fd = os.open(_mark(path, anchor), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def start(path: str, root: str, anchor: tuple[int, int] | None, linger: float) -> bool:
+    """Start a keeper of the cache at ``path`` (the caller holds the root lock and a lease); True once it holds
+    its lease. Nothing happens if one for this anchor is alive already.
+
+    Args:
+        path: the cache directory.
+        root: the per-user root (its ``.lock`` serialises join, leave and reclaim).
+        anchor: ``(pid, start time)`` of the process whose life the cache follows (torchrun's agent), or None.
+        linger: seconds to keep the cache once the anchor is gone (or, without one, after its last user left).
+    """
+    pid, start_time = anchor if anchor is not None else (0, 0)
+    if running(path, pid):
+        return True
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [sys.executable, "-I", "-c", _BOOT, package_root, path, root, str(pid), str(start_time), repr(linger)]
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+    except OSError:
+        return False
+    assert proc.stdout is not None
+    with proc.stdout:
+        ready, _, _ = select.select([proc.stdout], [], [], _READY_TIMEOUT)
+        ok = bool(ready) and proc.stdout.read(1) == b"1"
+    proc.wait()  # the first fork: it exits at once
+    return ok
+
+
+def _wait_for(pid: int, start_time: int, path: str) -> None:
+    """Return when process ``pid`` (started at ``start_time``) has exited, or the cache at ``path`` is gone."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        pidfd = -1  # gone already, or no pidfd (Linux < 5.3): look at /proc below
+    try:
+        while _start_time(pid) == start_time and os.path.isdir(path):
+            if pidfd >= 0:
+                select.select([pidfd], [], [], _CHECK_SECONDS)  # readable once the process exited
+            else:
+                time.sleep(_CHECK_SECONDS)
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _linger(path: str, linger: float) -> None:
+    """Return ``linger`` seconds after the last user left (the lease file's mtime), or when the cache is gone."""
+    lease = os.path.join(path, "lease")
+    while True:
+        try:
+            left = os.stat(lease).st_mtime + linger - time.time()
+        except OSError:
+            return
+        if left <= 0:
+            return
+        time.sleep(min(left, _CHECK_SECONDS))
+
+
+def main(args: list[str]) -> None:
+    """The keeper process: ``path root anchor_pid anchor_start linger`` (see :func:`start`)."""
+    from monai_cache.shm_directory import release_keeper
+
+    path, root, pid, start_time, linger = args[0], args[1], int(args[2]), int(args[3]), float(args[4])
+    with contextlib.suppress(OSError):
+        os.setsid()  # a session of its own (the first fork had one; we are not its leader)
+    try:
+        lease = os.open(os.path.join(path, "lease"), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fcntl.flock(lease, fcntl.LOCK_SH)
+        mark = os.open(_mark(path, pid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os._exit(1)  # the cache went, or another keeper got there first: the starter goes on without us
+    os.write(1, b"1")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    try:
+        if pid:
+            _wait_for(pid, start_time, path)
+        while True:
+            _linger(path, linger)
+            held = release_keeper(root, path, lease, _mark(path, pid), mark)
+            if held is None:
+                break
+            lease = held  # still in use (e.g. ranks a killed agent left behind): the last of them may be killed too
+            time.sleep(_CHECK_SECONDS)
+    finally:
+        os._exit(0)

@@ -1,0 +1,172 @@
+"""Issue 26 point 1: the shared-memory cache outlives a restart of the ranks (torchrun ``--max-restarts``) and goes
+when the job ends; ``keep_alive`` keeps a cache for a while after its last user outside torchrun.
+
+One real torchrun job (gloo, 2 ranks with 2 DataLoader workers each; one rank ends with ``os._exit``, the other is
+killed with SIGKILL; the restart reads without workers) asserts everything about restarts: the suite pays for one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+SCRIPTS = Path(__file__).parent / "_scripts"
+N_ITEMS, EPOCHS, WORLD = 8, 2, 2
+HANG_GUARD_S = 600
+
+
+def _keepers_of(shm_dir: str) -> list[int]:
+    """Pids of keeper processes whose cache lies under ``shm_dir``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(b"monai_cache.keeper" in a for a in argv) and any(a.startswith(shm_dir.encode()) for a in argv):
+            found.append(int(pid))
+    return found
+
+
+def _wait_until(condition, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit  # a hang guard, not a timing assertion
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_torchrun_restarts_find_the_cache_and_resume_each_item_once(tmp_path, shm_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        "--max-restarts=1",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(SCRIPTS / "restart_rank.py"),
+        str(out),
+    ]
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        code = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=HANG_GUARD_S).returncode
+    text = (tmp_path / "torchrun.log").read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    # both attempts ran, under one agent
+    runs = {(a, r): json.loads((out / f"attempt{a}.rank{r}.json").read_text()) for a in range(2) for r in range(WORLD)}
+    assert len({run["agent"] for run in runs.values()}) == 1 and runs[0, 0]["agent"]
+    # the deterministic chain ran once per item in the whole job: the restarted ranks found every entry
+    calls = sorted(int(line) for line in (out / "calls.log").read_text().split())
+    assert calls == list(range(N_ITEMS)), calls
+    for r in range(WORLD):  # after the restart the first step was a hit, and nothing was computed again
+        stats = runs[1, r]["stats"]
+        assert stats["misses"] == N_ITEMS and stats["hits"] >= 1, (r, stats)
+    # with the sampler's state committed at each step, every epoch (the two interrupted ones included) trained on
+    # each item exactly once across the attempts
+    ckpts = [json.loads((out / f"ckpt.rank{r}.json").read_text()) for r in range(WORLD)]
+    for epoch in range(EPOCHS):
+        seen = sorted(i for c in ckpts for i in c["seen"][str(epoch)])
+        assert seen == list(range(N_ITEMS)), (epoch, [c["seen"][str(epoch)] for c in ckpts])
+    # the job is over: its agent gone, the keeper removes the cache and exits
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    _wait_until(lambda: not [n for n in os.listdir(root) if not n.startswith(".")], f"left in {root}")
+    _wait_until(lambda: not _keepers_of(shm_dir), "a keeper outlived its job")
+
+
+def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monkeypatch):
+    from monai_cache.shm import SharedMemoryStore
+
+    store = SharedMemoryStore("plain", 2)  # the default: removed when its last user leaves, as before
+    path = store.path
+    store.release()
+    assert not os.path.exists(path) and not _keepers_of(shm_dir)
+
+    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "1.5")  # the environment reaches every dataset class
+    first = SharedMemoryStore("notebook", 2)
+    first[0] = {"x": 7}
+    path = first.path
+    first.release()  # the last user leaves: a keeper holds the cache
+    assert os.path.isdir(path) and len(_keepers_of(shm_dir)) == 1
+    again = SharedMemoryStore("notebook", 2)  # the script run again: warm
+    assert again[0] == {"x": 7}
+    again.release()  # moves the deadline; the same keeper holds on
+    assert len(_keepers_of(shm_dir)) == 1
+    _wait_until(lambda: not os.path.exists(path), "the kept cache was never removed")
+    _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
+
+    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "soon")
+    with pytest.raises(ValueError, match="MONAI_CACHE_KEEP_ALIVE"):
+        SharedMemoryStore("bad", 2)
+    with pytest.raises(ValueError, match="keep_alive"):
+        SharedMemoryStore("bad", 2, keep_alive=-1)
+
+
+def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tmp_path):
+    """Two torchrun agents as two nodes (``--nnodes=1:2``, c10d on 127.0.0.1, a shared-memory directory each);
+    node B is killed mid-epoch (agent and rank); node A finishes the epoch alone, each item once, on its cache."""
+    import signal
+
+    import torch.distributed as dist
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    # The test hosts the rendezvous store (is_host=0 for both agents), so that either node can be lost.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    shm = {node: f"/dev/shm/mc-test-elastic-{node}-{os.getpid()}" for node in "AB"}
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        for node in "AB":
+            os.makedirs(shm[node])
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NODE": node}
+            env["MONAI_CACHE_SHM_DIR"] = shm[node]
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+            argv = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+                "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                str(SCRIPTS / "elastic_rank.py"), str(out),
+            ]  # fmt: skip
+            with open(tmp_path / f"{node}.log", "wb") as log:
+                agents[node] = subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        _wait_until(lambda: (out / "B.parked").exists() or agents["A"].poll() is not None, "B never parked", 300)
+        assert (out / "B.parked").exists(), (tmp_path / "A.log").read_text(errors="replace")[-3000:]
+        os.killpg(agents["B"].pid, signal.SIGKILL)  # node B is lost: its agent and its rank (a session of its own)
+        os.kill(int((out / "B.parked").read_text()), signal.SIGKILL)
+        agents["B"].wait(60)
+        code = agents["A"].wait(HANG_GUARD_S)
+        assert code == 0, (tmp_path / "A.log").read_text(errors="replace")[-4000:]
+        first, second = (json.loads((out / f"A.attempt{a}.json").read_text()) for a in (0, 1))
+        assert first["world"] == 2 and second["world"] == 1  # the survivor went on alone
+        ckpts = [json.loads((out / f"ckpt.{node}.json").read_text()) for node in "AB"]
+        for epoch in range(EPOCHS):  # each item of each epoch trained on once, the interrupted one included
+            seen = sorted(i for c in ckpts for i in c["seen"].get(str(epoch), []))
+            assert seen == list(range(N_ITEMS)), (epoch, [c["seen"] for c in ckpts])
+        calls_a = [int(x) for x in (out / "calls.A.log").read_text().split()]
+        assert len(calls_a) == len(set(calls_a))  # node A never computed an item twice: its cache kept every entry
+        assert second["entries"] == N_ITEMS // 2  # its shard, cached in epoch 0, found by the restarted rank
+        for root in (os.path.join(shm[node], f"monai_cache-{os.getuid()}") for node in "AB"):
+            # both agents are gone: their keepers removed the caches
+            _wait_until(lambda r=root: not [n for n in os.listdir(r) if not n.startswith(".")], f"left in {root}")
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for path in shm.values():
+            shutil.rmtree(path, ignore_errors=True)
+        del store
