@@ -52,6 +52,7 @@ def test_permissions_owner_only(shm_dir):
     store.release()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user (chown) needs root")
 def test_root_owned_by_someone_else_is_refused(shm_dir):
     root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
     os.mkdir(root, 0o777)
@@ -230,9 +231,8 @@ def test_dead_holder_never_blocks(shm_dir):
     assert store.fill(0, lambda: {"x": 1}) is False  # someone is on it
     holder.kill()
     holder.wait(30)
-    t0 = time.monotonic()
-    assert store.get_or_compute(0, lambda: {"x": 2}) == {"x": 2}
-    assert time.monotonic() - t0 < 10
+    assert store.fill(0, lambda: {"x": 2}) is True  # its lock went with it: taken at once, not waited for
+    assert store.get_or_compute(0, lambda: {"x": 3}) == {"x": 2}
     store.release()
 
 
