@@ -341,7 +341,7 @@ def test_put_returns_before_the_write_and_flush_waits(tmp_path, monkeypatch):
     assert not torch.equal(pending["image"], item["image"])
     assert_same(pending, item_for("a"))  # and exactly what a read of the file will give
     pending["image"].fill_(9)
-    assert not store.flush(0.2)  # the write is still held: flush says it did not complete
+    assert not store.flush(0.05)  # the write is still held: flush says it did not complete
     gate.open()
     assert store.flush(10)
     assert store.stats()["process"]["writes_pending"] == 0
@@ -360,7 +360,7 @@ def test_bounded_queue_applies_back_pressure(tmp_path, monkeypatch):
 
     caller = threading.Thread(target=put_six, daemon=True)
     caller.start()
-    caller.join(0.5)  # time enough for six puts that do not wait
+    caller.join(0.3)  # time enough for six puts that do not wait
     # with every write held, the caller is stuck in a put: the one after the queue's two (the writer holds one)
     assert caller.is_alive() and len(seen) <= 3, seen
     gate.open()

@@ -143,7 +143,7 @@ def test_sigkill_during_either_tiers_writes_leaves_nothing_a_reader_accepts_wron
     for _ in range(6):
         p = multiprocessing.get_context("fork").Process(target=_fill_forever, args=(volumes, cache_dir, large))
         p.start()
-        time.sleep(rng.uniform(0.3, 1.5))
+        time.sleep(rng.uniform(0.2, 1.2))
         until = time.monotonic() + 0.5  # then kill as soon as it is seen inside a write (or 0.5 s later)
         while not writing(p.pid) and time.monotonic() < until:
             time.sleep(0.001)

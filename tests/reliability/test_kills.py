@@ -64,7 +64,7 @@ TRIALS = env_int("MONAI_CACHE_RELIABILITY_TRIALS", 100)
 SEED = env_int("MONAI_CACHE_RELIABILITY_SEED", 20_240)
 N_ITEMS = 12
 PROGRESS_EVERY = 10
-AIM_EVERY = 10  # every tenth trial kills a worker it sees inside a write (waiting 1 s at most for one)
+AIM_EVERY = 10  # every tenth trial kills a worker it sees inside a write (waiting 0.5 s at most for one)
 PROGRESS_TIMEOUT = 120.0
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -348,7 +348,7 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
     t.figures["seconds"] = round(time.monotonic() - t0, 1)
 
 
-def worker_inside_a_write(target, ranks, timeout: float = 1.0) -> tuple[int, int] | None:
+def worker_inside_a_write(target, ranks, timeout: float = 0.5) -> tuple[int, int] | None:
     """``(rank index, pid)`` of a DataLoader worker seen writing an entry (``target.writers()``), or None if none is
     seen within ``timeout`` seconds: random kill times alone land inside a write seldom (a few in 100)."""
     end = time.monotonic() + timeout
