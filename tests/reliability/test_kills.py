@@ -349,16 +349,19 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
 
 
 def worker_inside_a_write(target, ranks, timeout: float = 0.5) -> tuple[int, int] | None:
-    """``(rank index, pid)`` of a DataLoader worker seen writing an entry (``target.writers()``), or None if none is
-    seen within ``timeout`` seconds: random kill times alone land inside a write seldom (a few in 100)."""
+    """``(rank index, pid)`` of a DataLoader worker stopped (SIGSTOP) inside a write of an entry (``target.writers()``
+    before and after the stop), or None if none is seen within ``timeout`` seconds: random kill times alone land
+    inside a write seldom (a few in 100)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         writing = target.writers()
         for r, rank in enumerate(ranks):
             rank.pump()
-            found = writing.intersection(rank.workers)
-            if found:
-                return r, min(found)
+            for pid in writing.intersection(rank.workers):
+                if kill_child_of(rank.pid, pid, signal.SIGSTOP):
+                    if pid in target.writers():
+                        return r, pid  # (left stopped: the caller kills it)
+                    kill_child_of(rank.pid, pid, signal.SIGCONT)  # its write ended meanwhile
         time.sleep(0.001)
     return None
 
