@@ -250,6 +250,16 @@ def test_eager_fill_matches_monai_and_counts(shm_dir, volumes, tmp_path):
     stats = ds.cache_stats()
     assert stats["stored"]["entries"] == len(volumes) and stats["process"]["misses"] == len(volumes)
     assert stats["stored"]["bytes"] > 0
+    # what the threads filled is what MONAI's own eager fill caches: the same item for every index, hence, after
+    # the random crop, the same tensors and metadata
+    ref = monai.data.CacheDataset(volumes, chain(), num_workers=2, progress=False)
+    for i in range(len(volumes)):
+        assert torch.equal(ds._cache[i]["image"], ref._cache[i]["image"])
+    for expected, got in zip(outputs(ref, 3), outputs(ds, 3)):
+        for key in ("image", "label"):  # (the records of applied operations differ in id(transform) only)
+            assert torch.equal(expected[key], got[key])
+            assert_same(dict(expected[key].meta), dict(got[key].meta))
+            assert_same(without_ids(expected[key].applied_operations), without_ids(got[key].applied_operations))
     # a second dataset object with the same data and transforms finds the cache filled: computes nothing
     again = monai_cache.CacheDataset(volumes, chain(log), num_workers=2, progress=False)
     assert again._cache.path == ds._cache.path
@@ -649,26 +659,34 @@ def test_listing_caches_while_jobs_start_and_end(shm_dir):
 
     stop = threading.Event()
     errors: list[BaseException] = []
+    churned = [0]
 
     def churn():
-        n = 0
-        while not stop.is_set():
-            store = monai_cache.SharedMemoryStore(f"churn{n % 5}", 4, shm_dir=shm_dir)
-            store[0] = {"x": torch.zeros(4)}
-            store.release()
-            n += 1
+        try:
+            while not stop.is_set():
+                store = monai_cache.SharedMemoryStore(f"churn{churned[0] % 5}", 4, shm_dir=shm_dir)
+                store[0] = {"x": torch.zeros(4)}
+                store.release()
+                churned[0] += 1
+        except BaseException as e:  # collected and reported below (a thread's exception is otherwise lost)
+            errors.append(e)
 
     thread = threading.Thread(target=churn)
     thread.start()
+    listings, live_seen, hang_guard = 0, 0, time.monotonic() + 60
     try:
-        for _ in range(200):
+        # at least 200 listings, and on until one of them caught a cache in use (the job starting or ending)
+        while (listings < 200 or not live_seen) and thread.is_alive() and time.monotonic() < hang_guard:
             try:
                 for cache in list_caches(shm_dir):
                     assert cache["state"] in ("live", "stale", "kept")
+                    live_seen += cache["state"] == "live"
             except BaseException as e:  # collected and reported below
                 errors.append(e)
+            listings += 1
     finally:
         stop.set()
         thread.join()
     assert errors == []
+    assert live_seen >= 1 and churned[0] >= 1, (listings, live_seen, churned)
     assert [c for c in list_caches(shm_dir) if c["state"] != "stale"] == []

@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 import zlib
@@ -74,6 +75,25 @@ class SlowWrites:
             return original(*args, **kwargs)
 
         monkeypatch.setattr(disk_writer, "write_record", slow)
+
+
+class GatedWrites:
+    """Hold every :func:`monai_cache.disk_writer.write_record` (the file write itself) until :meth:`open`: a call that
+    returns before then returned while its write was pending. A write held ``hang_guard`` seconds goes on anyway
+    (a store that wrongly waits for its writes then fails its test rather than hanging it)."""
+
+    def __init__(self, monkeypatch, hang_guard: float = 20.0) -> None:
+        self.gate = threading.Event()
+        original = disk_writer.write_record
+
+        def gated(*args, **kwargs):
+            self.gate.wait(hang_guard)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(disk_writer, "write_record", gated)
+
+    def open(self) -> None:
+        self.gate.set()
 
 
 # ---------------------------------------------------------------------------------------------- format
@@ -249,10 +269,11 @@ def test_every_single_bit_flip_is_detected(tmp_path, compression):
 @given(data=st.data())
 def test_damaged_files_never_raise_anything_but_corrupt(tmp_path, data):
     """Random edits of a valid file (and random files) are rejected or decode to the original item."""
-    path = str(tmp_path / "k.mcache")
-    store = DiskStore(
-        tmp_path, async_writes=False, compression=data.draw(st.sampled_from(["zstd", None])), pack_limit=0
-    )
+    compression = data.draw(st.sampled_from(["zstd", None]))
+    where = tmp_path / str(compression)  # the examples share tmp_path: one valid file per compression
+    where.mkdir(exist_ok=True)
+    path = str(where / "k.mcache")
+    store = DiskStore(where, async_writes=False, compression=compression, pack_limit=0)
     if not os.path.exists(path):
         store.put("k", {"x": torch.arange(64, dtype=torch.float32) / 7, "n": 1})
     raw = bytearray(open(path, "rb").read())
@@ -310,34 +331,41 @@ def test_unsupported_value_is_reported_once_and_not_cached(tmp_path):
 
 # --------------------------------------------------------------------------------------------- async
 def test_put_returns_before_the_write_and_flush_waits(tmp_path, monkeypatch):
-    SlowWrites(monkeypatch, 0.4)
+    gate = GatedWrites(monkeypatch)
     store = DiskStore(tmp_path)
     item = item_for("a")
-    t = time.perf_counter()
     store.put("a", item)
-    assert time.perf_counter() - t < 0.3
-    assert store.stats()["process"]["writes_pending"] == 1
+    assert store.stats()["process"]["writes_pending"] == 1  # put returned with its write held
     item["image"].fill_(7)  # the caller changes its item in place: the writer has its own copy
     pending = store.get("a")  # served from memory while pending, as a private copy
     assert not torch.equal(pending["image"], item["image"])
     assert_same(pending, item_for("a"))  # and exactly what a read of the file will give
     pending["image"].fill_(9)
+    assert not store.flush(0.05)  # the write is still held: flush says it did not complete
+    gate.open()
     assert store.flush(10)
     assert store.stats()["process"]["writes_pending"] == 0
     assert_same(store.get("a"), item_for("a"))
 
 
 def test_bounded_queue_applies_back_pressure(tmp_path, monkeypatch):
-    SlowWrites(monkeypatch, 0.15)
+    gate = GatedWrites(monkeypatch)
     store = DiskStore(tmp_path, max_pending_writes=2, max_pending_bytes="10MiB")
     seen = []
-    t = time.perf_counter()
-    for i in range(6):
-        store.put(f"k{i}", item_for(f"k{i}"))
-        seen.append(store.stats()["process"]["writes_pending"])
-    elapsed = time.perf_counter() - t
-    assert max(seen) <= 2
-    assert elapsed > 0.15 * 3  # the caller waited for the slow writer
+
+    def put_six():
+        for i in range(6):
+            store.put(f"k{i}", item_for(f"k{i}"))
+            seen.append(store.stats()["process"]["writes_pending"])
+
+    caller = threading.Thread(target=put_six, daemon=True)
+    caller.start()
+    caller.join(0.3)  # time enough for six puts that do not wait
+    # with every write held, the caller is stuck in a put: the one after the queue's two (the writer holds one)
+    assert caller.is_alive() and len(seen) <= 3, seen
+    gate.open()
+    caller.join(30)
+    assert not caller.is_alive() and len(seen) == 6 and max(seen) <= 2, seen
     assert store.flush(10) and len(list(store.entries())) == 6
     # by bytes: one 256 KiB item fits a 300 KB budget, two do not
     (tmp_path / "b").mkdir()

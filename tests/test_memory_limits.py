@@ -151,19 +151,57 @@ def test_a_cache_larger_than_the_cgroup_limit_is_never_killed(shm_dir, runtime_c
 
 def test_reading_a_real_cgroup(tmp_path):
     with memory_cgroup(300 * MB) as (directory, _version):
-        code = "from monai_cache.memory_limits import cgroup_memory as c; g = c(); print(g.path, g.limit, g.usage)"
+        code = ("from monai_cache.memory_limits import cgroup_memory as c, read_machine as m; g = c(); "
+                "print(g.path, g.limit, g.usage, len([n for n, _ in m('/dev/shm').limits() if n == CGROUP]))"
+                ).replace("CGROUP", repr(CGROUP_LIMIT))  # fmt: skip
         result = run_in_cgroup(directory, code, {**os.environ, "PYTHONPATH": REPO}, timeout=60)
     assert result.returncode == 0, result.stderr
-    path, limit, usage = result.stdout.split()
+    path, limit, usage, named = result.stdout.split()
     assert path == directory and int(limit) == 300 * MB - 300 * MB % 4096 and 0 < int(usage) < int(limit)
+    assert named == "1"  # the machine's limits name the cgroup's
 
 
-def test_outside_a_limited_cgroup_nothing_is_reported_but_the_machine():
+CGROUP_LIMIT = "the memory cgroup limit"
+
+
+def tightest_limit_over_this_process() -> int | None:
+    """The least memory limit set on this process's memory cgroup or an ancestor, read independently of
+    ``memory_limits``: from ``/proc/self/cgroup`` and the usual mount points (``/sys/fs/cgroup/memory`` for v1,
+    ``/sys/fs/cgroup`` for v2; a cgroup namespace shows the process's own cgroup at the mount itself)."""
+    limits = []
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "memory" in controllers.split(","):
+                mount, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+            elif controllers == "" and os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
+                mount, name = "/sys/fs/cgroup", "memory.max"
+            else:
+                continue
+            directory = os.path.join(mount, path.lstrip("/"))
+            directory = directory if os.path.isdir(directory) else mount
+            while True:
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as lf:
+                    text = lf.read().strip()
+                    if text != "max" and int(text) < 1 << 60:  # v1 writes "no limit" as about 2**63
+                        limits.append(int(text))
+                if os.path.normpath(directory) == mount:
+                    break
+                directory = os.path.dirname(directory)
+    return min(limits) if limits else None
+
+
+def test_the_cgroup_limit_is_named_exactly_when_there_is_one():
+    """This process's own cgroups, limited or not (a limited one made for the purpose: test_reading_a_real_cgroup)."""
     machine = read_machine("/dev/shm")
+    expected = tightest_limit_over_this_process()
     group = cgroup_memory()
-    assert group is None or group.limit > 0  # this machine's own limits, if any
-    assert machine.mem_available and machine.tmpfs_total > 0
     names = [name for name, _room in machine.limits()]
+    if expected is None:
+        assert group is None and CGROUP_LIMIT not in names, group
+    else:
+        assert group is not None and group.limit == expected and CGROUP_LIMIT in names, (group, expected)
+    assert machine.mem_available and machine.tmpfs_total > 0
     assert names[0] == "the free space of the tmpfs" and "the memory available (MemAvailable)" in names
     assert memory_reserve(600 * MB) == 150 * MB and memory_reserve(16 << 30) == (16 << 30) // 10
 

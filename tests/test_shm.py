@@ -55,7 +55,10 @@ def test_permissions_owner_only(shm_dir):
 def test_root_owned_by_someone_else_is_refused(shm_dir):
     root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
     os.mkdir(root, 0o777)
-    os.chown(root, 65534, 65534)  # "nobody" pre-created our directory: it could plant entries
+    try:
+        os.chown(root, 65534, 65534)  # "nobody" pre-created our directory: it could plant entries
+    except PermissionError:
+        pytest.skip("giving a directory to another user (chown) needs root (CAP_CHOWN)")
     with pytest.raises(PermissionError, match="not a directory owned by"):
         SharedMemoryStore("k", 1)
 
@@ -230,9 +233,8 @@ def test_dead_holder_never_blocks(shm_dir):
     assert store.fill(0, lambda: {"x": 1}) is False  # someone is on it
     holder.kill()
     holder.wait(30)
-    t0 = time.monotonic()
-    assert store.get_or_compute(0, lambda: {"x": 2}) == {"x": 2}
-    assert time.monotonic() - t0 < 10
+    assert store.fill(0, lambda: {"x": 2}) is True  # its lock went with it: taken at once, not waited for
+    assert store.get_or_compute(0, lambda: {"x": 3}) == {"x": 2}
     store.release()
 
 

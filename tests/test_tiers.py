@@ -23,7 +23,7 @@ import torch
 from helpers import chain, one_torch_thread, read_calls  # noqa: F401 (an autouse fixture)
 
 import monai_cache
-from monai_cache import disk_format, shm_directory
+from monai_cache import disk_format, runtime, shm_directory
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NODE_SCRIPT = os.path.join(TESTS, "_scripts", "tier_node.py")
@@ -130,12 +130,29 @@ def test_sigkill_during_either_tiers_writes_leaves_nothing_a_reader_accepts_wron
 
     cache_dir, large = str(tmp_path / "cache"), 300_000
     rng = random.Random(5)
+
+    def writing(pid: int) -> int:  # temporary files of ``pid`` in either tier: entries it is writing
+        return sum(
+            runtime.temp_owner(name) == (runtime.HOST_TAG, pid)
+            for root in (cache_dir, shm_dir)
+            for _, _, names in os.walk(root)
+            for name in names
+        )
+
+    mid_write = 0
     for _ in range(6):
         p = multiprocessing.get_context("fork").Process(target=_fill_forever, args=(volumes, cache_dir, large))
         p.start()
-        time.sleep(rng.uniform(0.3, 1.5))
+        time.sleep(rng.uniform(0.2, 1.2))
+        until = time.monotonic() + 0.5  # then kill as soon as it is seen inside a write (or 0.5 s later)
+        while not writing(p.pid) and time.monotonic() < until:
+            time.sleep(0.001)
+        os.kill(p.pid, signal.SIGSTOP)  # what it holds at the moment it dies
+        mid_write += writing(p.pid) > 0
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
+    print(f"\n{mid_write} of 6 kills inside a write")
+    assert mid_write >= 1, "no kill landed inside a write (the test did not exercise the hazard)"
     # every disk entry a reader accepts is complete (a crash cannot leave another kind: no partial name)
     checked = disk_format.verify(cache_dir)
     assert checked["bad"] == [] and checked["ok"] >= 1, checked

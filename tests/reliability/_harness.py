@@ -218,8 +218,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-def kill_child_of(parent: int, pid: int) -> bool:
-    """SIGKILL ``pid`` if (and only if) it is still a child of ``parent``, a process this test started.
+def kill_child_of(parent: int, pid: int, sig: int = signal.SIGKILL) -> bool:
+    """SIGKILL ``pid`` (or send it ``sig``) if (and only if) it is still a child of ``parent``, a process this test
+    started.
 
     A pidfd pins the process first, so a recycled pid can never make us signal somebody else's process.
     """
@@ -230,7 +231,7 @@ def kill_child_of(parent: int, pid: int) -> bool:
     try:
         if pid_parent(pid) != parent:
             return False
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        signal.pidfd_send_signal(pidfd, sig)
         return True
     except ProcessLookupError:
         return False

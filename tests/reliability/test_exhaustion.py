@@ -237,8 +237,9 @@ def _check_disk_dir(cache_dir: str, ds: PersistentDataset, n: int, size: int) ->
 def test_disk_fills_up_mid_epoch(tmp_path):
     """The disk fills up during epoch 1 (writes of two workers): one warning, training goes on uncached.
 
-    Uncompressed files: with zstd an ENOSPC can surface as a ZstdError (see the xfail test below), which
-    would make this test fail at random.
+    Uncompressed files, so that each item takes its own 400 KB on the disk; the disk filling up while zstd is
+    writing (an ENOSPC inside the compressor, once a ZstdError, fixed in d790492) is
+    test_disk_full_while_compressing_is_reported_as_disk_full below.
     """
     n, size = 24, 100_000  # 400 KB of random floats each: about 7 fit in 3 MiB
     sizes = dict.fromkeys(range(n), size)

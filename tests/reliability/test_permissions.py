@@ -124,6 +124,7 @@ def test_keep_warm_files_are_owner_only_too(shm_dir, tmp_path, umask):
     out = in_child(_make_caches, umask, shm_dir, str(tmp_path / "cache"), True)
     with contextlib.suppress(Exception):
         remove_cache(next(c["key"] for c in list_caches(shm_dir)), shm_dir, force=True)
+    assert [path for path, _mode in out["modes"] if os.path.basename(path) == "keep"] != [], out["modes"]
     assert _loose(out["modes"]) == [], _loose(out["modes"])
 
 
