@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from functools import partial
+from multiprocessing.managers import BaseProxy
 from multiprocessing.pool import ThreadPool
 from typing import Any
 
@@ -57,6 +59,28 @@ _MONAI_ATTRIBUTES = frozenset(
 )
 
 
+_log = logging.getLogger("monai_cache")
+_proxy_noted = False
+
+
+def _note_proxy(proxy: BaseProxy) -> None:
+    """Say once per process that a cross-process ``runtime_cache`` gets the shared-memory cache (INFO, on stderr
+    unless logging is configured)."""
+    global _proxy_noted
+    if _proxy_noted:
+        return
+    _proxy_noted = True
+    if not _log.hasHandlers():  # nothing configured: the line would be dropped, and the user never told
+        _log.addHandler(logging.StreamHandler())
+        _log.setLevel(logging.INFO)
+    _log.info(
+        "monai_cache: runtime_cache is a %s (a cross-process list): CacheDataset keeps its items in the node-wide "
+        "shared-memory cache instead, as runtime_cache=True does, shared by every DataLoader worker and rank of this "
+        "machine; nothing is put in the list",
+        type(proxy).__name__,
+    )
+
+
 class _EntryName:
     """Names a cache entry in warnings by its data index (picklable, for spawned workers)."""
 
@@ -96,8 +120,12 @@ class CacheDataset(_MonaiCacheDataset):
       finds the cache already filled starts at once.
     * ``runtime_cache=True``, ``"threads"`` or ``"processes"``: entries are computed by whichever worker or
       rank first needs them, and published for all the others.
-    * a list-like object passed as ``runtime_cache``: used as the cache, with MONAI's meaning (private to
-      whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
+    * a cross-process list passed as ``runtime_cache`` (a ``multiprocessing`` Manager's ``ListProxy``, or any
+      ``BaseProxy``: Auto3DSeg's segresnet broadcasts one to the ranks of a node): the shared-memory cache, as
+      ``runtime_cache=True``, shared by every worker and rank of the machine whichever proxy each holds; nothing is
+      put in the list (its server process holds no item), and one log line says so.
+    * another list-like object passed as ``runtime_cache`` (a plain list): used as the cache, with MONAI's meaning
+      (private to whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
 
     Processes find the same cache by a fingerprint of the data, the deterministic transforms (your own
     functions and classes by value: code, constants, closures and the globals they read) and the options;
@@ -139,8 +167,9 @@ class CacheDataset(_MonaiCacheDataset):
         hash_func: if `hash_as_key`, a callable to compute hash from data items to be cached.
             defaults to `monai.data.utils.pickle_hashing`.
         runtime_cache: ``False`` to fill the cache during initialization; ``True``, ``"threads"`` or
-            ``"processes"`` to fill it on the fly (in shared memory); or a list-like container to use as
-            the cache with MONAI's semantics.
+            ``"processes"`` to fill it on the fly (in shared memory); a cross-process list (a Manager's
+            ``ListProxy``) fills the shared-memory cache on the fly too, and stays empty; another list-like
+            container is used as the cache with MONAI's semantics.
         shared_memory: keep the cache in shared memory (default). ``False`` restores MONAI's in-process
             cache (with the ``hash_as_key`` fix).
         shm_dir: tmpfs directory for the cache; default ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``.
@@ -262,9 +291,15 @@ class CacheDataset(_MonaiCacheDataset):
         self._counts = {"hits": 0, "misses": 0}
 
     def _in_shared_memory(self) -> bool:
-        return bool(self.shared_memory) and (
-            self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
-        )
+        if not self.shared_memory:
+            return False
+        if isinstance(self.runtime_cache, BaseProxy):
+            # A cross-process list (a Manager's ListProxy: Auto3DSeg's segresnet broadcasts one to the ranks of a
+            # node) asks for one cache shared by processes: the node-wide cache is that, without a server process
+            # that every read goes through. Its name never depends on the proxy, so every rank finds the same one.
+            _note_proxy(self.runtime_cache)
+            return True
+        return self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
 
     def _plan(self, data: Sequence) -> list[int]:
         """MONAI's choice of cached items; returns the data index of each cache entry."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 import warnings
@@ -36,21 +37,30 @@ def outputs(ds, seed, n=None):
     return [ds[i] for i in range(n or len(ds))]
 
 
-@pytest.mark.parametrize("runtime_cache", [False, True, "processes"])
+@pytest.mark.parametrize("runtime_cache", [False, True, "processes", "a Manager list"])
 @pytest.mark.parametrize("copy_cache", [True, False])
 def test_same_tensors_and_metadata_as_monai(shm_dir, volumes, runtime_cache, copy_cache):
     tr = chain()
-    kw = dict(transform=tr, progress=False, copy_cache=copy_cache, runtime_cache=runtime_cache)
-    ref = monai.data.CacheDataset(volumes, **kw)
-    ours = monai_cache.CacheDataset(volumes, **kw)
+    kw = dict(transform=tr, progress=False, copy_cache=copy_cache)
+    lists = []
+    if runtime_cache == "a Manager list":  # Auto3DSeg's segresnet: one each, as each would be filled by MONAI
+        manager = multiprocessing.Manager()
+        lists = [manager.list([None] * len(volumes)) for _ in range(2)]
+    ref = monai.data.CacheDataset(volumes, runtime_cache=lists[0] if lists else runtime_cache, **kw)
+    ours = monai_cache.CacheDataset(volumes, runtime_cache=lists[1] if lists else runtime_cache, **kw)
     assert isinstance(ours, monai.data.CacheDataset)
     for epoch in range(2):  # miss then hit for the runtime modes
         expected = outputs(ref, 100 + epoch)
         got = outputs(ours, 100 + epoch)
         for e, g in zip(expected, got):
             assert_same(e, g)
-    if runtime_cache == "processes":
+    if runtime_cache in ("processes", "a Manager list"):
         assert "ListProxy" not in type(ours._cache).__name__  # shared memory, not a Manager
+        assert ours.cache_stats()["total"]["hits"] == len(volumes)
+    if lists:  # MONAI's items are in its list; ours stays empty (the user's object, left as it was)
+        assert None not in list(lists[0]) and list(lists[1]) == [None] * len(volumes)
+        assert ours.runtime_cache is lists[1]
+        manager.shutdown()
     ours.release()
 
 
