@@ -27,7 +27,7 @@ from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
 from monai_cache.process_tier import ProcessTier
-from monai_cache.runtime import COUNTERS, cache_stats, release_freed_memory
+from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -289,6 +289,8 @@ class CacheDataset(_MonaiCacheDataset):
         self._hash_index: dict[bytes, int] = {}
         self._cache_data_index = np.zeros(0, dtype=np.int64)
         self._counts = {"hits": 0, "misses": 0}
+        # a private cache's counters, also counted by the DataLoader workers forked from this process: made by set_data
+        self._private_counters: SharedCounters | None = None
 
     def _in_shared_memory(self) -> bool:
         if not self.shared_memory:
@@ -362,6 +364,8 @@ class CacheDataset(_MonaiCacheDataset):
                 "shared_memory=True and runtime_cache a bool or a string, or use monai_cache.PersistentDataset"
             )
         if not self._in_shared_memory():
+            self._counts = {"hits": 0, "misses": 0}
+            self._private_counters = SharedCounters(("hits", "misses"))
             super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
             if self.hash_as_key:
                 self._hash_index = {k: i for i, k in enumerate(self._hash_keys)}
@@ -549,11 +553,16 @@ class CacheDataset(_MonaiCacheDataset):
         else:
             data = self._cache[cache_index]
             private = False
+            counters = self._private_counters
             if data is None:  # runtime cache computation, from the right data item (MONAI bug fix)
                 self._counts["misses"] += 1
+                if counters is not None:
+                    counters.add({"misses": 1})
                 data = self._cache[cache_index] = self._load_cache_item(data_index)
             else:
                 self._counts["hits"] += 1
+                if counters is not None:
+                    counters.count_read(0)  # this process's own slot: no lock
         if not isinstance(self.transform, Compose):  # e.g. reassigned to a plain callable; MONAI's message
             raise ValueError("transform must be an instance of monai.transforms.Compose.")
         transforms = self.transform.transforms
@@ -577,9 +586,11 @@ class CacheDataset(_MonaiCacheDataset):
         dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
         ``process`` counts this process (in a DataLoader worker: the worker); ``total`` is shared by every process
-        of the machine using the same shared-memory cache; ``stored`` is what the cache holds. With a private
-        cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
-        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes. With a
+        of the machine using the same shared-memory cache (DataLoader workers and ranks: called in the main process,
+        ``total`` shows what its workers read); ``stored`` is what the cache holds. With a private cache
+        (``shared_memory=False``, or a plain list passed as ``runtime_cache``), ``process`` holds this process's
+        ``hits`` and ``misses``, ``total`` those of this process and the DataLoader workers forked from it (each with
+        a private cache of its own, as in MONAI), and ``stored`` this process's entries and their tensor bytes. With a
         ``cache_dir``, ``"disk"`` holds the disk tier's counters (``misses`` above then counts items read from
         disk or computed). Once this process keeps items of its own (``process_cache``: items on an accelerator),
         ``"process_cache"`` holds ``entries``, ``bytes``, ``hits`` (reads served from them, not counted above) and
@@ -595,9 +606,12 @@ class CacheDataset(_MonaiCacheDataset):
             return stats
         counts = dict.fromkeys(COUNTERS, 0)
         counts.update(self._counts)
+        total = dict(counts)
+        if self._private_counters is not None:
+            total.update(self._private_counters.snapshot())
         held = [self._cache[i] for i in range(len(self._cache))]
         held = [item for item in held if item is not None]
-        return cache_stats(counts, counts, len(held), sum(codec.item_nbytes(item) for item in held))
+        return cache_stats(counts, total, len(held), sum(codec.item_nbytes(item) for item in held))
 
     def release(self) -> None:
         """Stop using the shared-memory cache now (it is removed if this was its last user). A disk tier's

@@ -474,6 +474,29 @@ def test_private_cache_option_gives_monai_behaviour(shm_dir, volumes):
     assert user[0] is None and user[1] is not None  # a user container keeps MONAI's meaning
 
 
+@pytest.mark.parametrize("kw", [{"shared_memory": False}, {"runtime_cache": "a plain list"}])
+def test_private_cache_stats_in_the_main_process_count_its_workers(shm_dir, kw):
+    """A private cache is each process's own (MONAI's meaning); the main process's ``total`` still counts the reads
+    of the DataLoader workers forked from it, which ``process`` leaves out."""
+    n = 8
+    if "runtime_cache" in kw:
+        kw = {"runtime_cache": [None] * n}
+    ds = monai_cache.CacheDataset([{"x": i} for i in range(n)], Compose([Times10(keys="x")]), progress=False, **kw)
+    if "runtime_cache" not in kw:
+        ds[0]  # the main process's own read: the eager fill already holds it
+    loader = DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        assert sorted(int(b["x"]) for b in loader) == [10 * i for i in range(n)]
+    stats = ds.cache_stats()
+    own = 0 if "runtime_cache" in kw else 1
+    assert (stats["process"]["hits"], stats["process"]["misses"]) == (own, 0)
+    if "runtime_cache" in kw:  # each worker fills its own copy of the list in epoch 1 (the same items each epoch)
+        assert (stats["total"]["hits"], stats["total"]["misses"]) == (n, n)
+    else:
+        assert (stats["total"]["hits"], stats["total"]["misses"]) == (2 * n + own, 0)
+    assert os.listdir(shm_dir) == []
+
+
 KILLED_WORKER = """
 import os, random, signal, sys, threading
 sys.path.insert(0, {tests!r})
