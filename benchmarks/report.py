@@ -12,7 +12,8 @@ docs/scale.md), ``bench_loader.py`` (DataLoader: warm epochs, main-process CPU p
 that script's ``--quick`` mode for MONAI's loader and ours, the full mode every configuration, about 30
 minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks) and
 ``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
-``CacheDataset(cache_dir=...)`` against a cold start). Each runs as a subprocess; every ratio in their tables
+``CacheDataset(cache_dir=...)`` against a cold start) and ``bench_switch.py`` (Auto3DSeg's segresnet pattern: a
+Manager list as ``runtime_cache``, stock against monai_cache). Each runs as a subprocess; every ratio in their tables
 is against stock MONAI measured in the same run. This module runs them, prints their tables as they come,
 describes the machine (cores, memory, CPU model, load average) and writes the Markdown report and PNG plots
 (epoch time per epoch, memory across processes, bytes on disk per item, warm epochs per loader).
@@ -38,7 +39,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "switch")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -124,11 +125,13 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         scale += ["--quick"]
     smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
     tiers = [py, str(bench_dir / "bench_tiers.py"), "--out", str(work / "tiers")]
+    switch = [py, str(bench_dir / "bench_switch.py"), "--out", str(work / "switch")]
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
         tiers += ["--quick"]
+        switch += ["--quick", "--settings", "2x1"]
     return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "loader": loader,
-            "smartcache": smartcache, "tiers": tiers}
+            "smartcache": smartcache, "tiers": tiers, "switch": switch}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -285,6 +288,8 @@ _TITLES = {
     "smartcache": "SmartCacheDataset — `benchmarks/bench_smartcache.py` (details: [smartcache.md](smartcache.md))",
     "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `benchmarks/bench_tiers.py` "
     "(details: [tiers.md](tiers.md))",
+    "switch": "Auto3DSeg's segresnet pattern: a Manager list as runtime_cache — `benchmarks/bench_switch.py` "
+    "(details: [migrating.md](migrating.md))",
 }
 
 
@@ -463,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
                 md = work / "loader" / "bench_loader.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
                 r["plot"] = work / "loader" / "bench_loader.png"
-            elif name in ("smartcache", "tiers"):
+            elif name in ("smartcache", "tiers", "switch"):
                 md = work / name / f"bench_{name}.md"
                 r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
             if rc != 0:

@@ -82,6 +82,13 @@ _STUBS = {
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, "bench_tiers.md"), "w").write("# restart\\n\\n| tier | first batch |\\n")
     """,
+    "bench_switch.py": """
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        table = "| | stock | switch |\\n|---|---:|---:|\\n| warm | 1 |\\n"
+        open(os.path.join(out, "bench_switch.md"), "w").write(table)
+    """,
     "bench_loader.py": """
         import json, os, sys
         if "--quick" not in sys.argv:
@@ -107,13 +114,16 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     p = run_report("--quick", "--benchmarks-dir", str(stubs), "--docs-dir", str(docs), "--json")
     summary = json.loads(p.stdout)  # --json: nothing else on stdout
     assert summary["failed"] == []
-    assert set(summary["benchmarks"]) == {"cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers"}
+    assert set(summary["benchmarks"]) == {
+        "cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "switch"
+    }
     assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
     report = (docs / "benchmarks.md").read_text()
     assert "**Machine:**" in report and "load average" in report and "CPU cores" in report
     assert "| 1 | 2 |" in report and "### sampler benchmark" in report and "Bytes on disk per item" in report
     assert "| ours-cache | 2,000 |" in report and "| ours | 1 |" in report and "### restart" in report
     assert "## DataLoader" in report and "| | monai | ours+ours |" in report
+    assert "segresnet" in report and "| | stock | switch |" in report
     for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png", "bench_loader.png"):
         assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{png}" in report
