@@ -222,7 +222,7 @@ def table(records: list[dict[str, Any]], markdown: bool) -> str:
             ratios = []
             for rep in repeats:
                 mine, base = of(name, rep), of(BASELINE, rep)
-                if mine and base and mine.get(key) is not None and base.get(key):
+                if mine and base and mine.get(key) is not None and (base.get(key) or 0) > 0:  # no ratio to noise
                     ratios.append(mine[key] / base[key])
             if name != BASELINE and ratios:
                 cell += f" ({harness.median(ratios):.2f}x)"
