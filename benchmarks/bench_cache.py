@@ -360,6 +360,20 @@ def private_shm_dir() -> str:
     return tempfile.mkdtemp(prefix="monai_cache-bench-", dir=base)
 
 
+def prepare_run(spec: RunSpec) -> tuple[str, dict[str, str]]:
+    """Empty ``spec.run_dir`` and write the spec there for the ranks; returns its path and the ranks' environment
+    (``MONAI_CACHE_SHM_DIR`` set to ``spec.shm_dir``)."""
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
+    os.makedirs(spec.run_dir)
+    os.makedirs(spec.shm_dir, exist_ok=True)
+    spec_path = os.path.join(spec.run_dir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(dataclasses.asdict(spec), f)
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=spec.shm_dir)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    return spec_path, env
+
+
 def launch(
     spec: RunSpec,
     progress: Callable[[str], object] | None = None,
@@ -382,14 +396,7 @@ def launch(
     """
     if spec.config not in CONFIGS:
         raise ValueError(f"unknown configuration {spec.config!r}; choose from {', '.join(CONFIGS)}")
-    shutil.rmtree(spec.run_dir, ignore_errors=True)
-    os.makedirs(spec.run_dir)
-    os.makedirs(spec.shm_dir, exist_ok=True)
-    spec_path = os.path.join(spec.run_dir, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(dataclasses.asdict(spec), f)
-    env = dict(os.environ, MONAI_CACHE_SHM_DIR=spec.shm_dir)
-    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    spec_path, env = prepare_run(spec)
     sampler = harness.MemorySampler([], spec.shm_dir, mem_interval)
     events = harness.Events(os.path.join(spec.run_dir, "events"))
     t_launch = time.time()

@@ -12,12 +12,13 @@ docs/scale.md), ``bench_loader.py`` (DataLoader: warm epochs, main-process CPU p
 that script's ``--quick`` mode for MONAI's loader and ours, the full mode every configuration, about 30
 minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks),
 ``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
-``CacheDataset(cache_dir=...)`` against a cold start) and ``bench_restart.py`` (a rank's crash under
-``torchrun --max-restarts=1``: time to the first batch after the restart, items computed again). Each runs as a
-subprocess; every ratio in their tables is against stock MONAI measured in the same run. This module runs them,
-prints their tables as they come, describes the machine (cores, memory, CPU model, load average) and writes
-the Markdown report and PNG plots (epoch time per epoch, memory across processes, bytes on disk per item, warm
-epochs per loader).
+``CacheDataset(cache_dir=...)`` against a cold start), ``bench_restart.py`` (a rank's crash under
+``torchrun --max-restarts=1``: time to the first batch after the restart, items computed again) and
+``bench_switch.py`` (Auto3DSeg's segresnet pattern: a Manager list as ``runtime_cache``, stock against
+monai_cache). Each runs as a subprocess; every ratio in their tables is against stock MONAI measured in the
+same run. This module runs them, prints their tables as they come, describes the machine (cores, memory, CPU
+model, load average) and writes the Markdown report and PNG plots (epoch time per epoch, memory across
+processes, bytes on disk per item, warm epochs per loader).
 
 ``--quick`` runs reduced versions that finish in a few minutes on an idle 2-core machine.
 """
@@ -40,7 +41,7 @@ from typing import Any
 
 __all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart")
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart", "switch")
 """The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
 
 _MIB = 1 << 20
@@ -127,12 +128,14 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
     smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
     tiers = [py, str(bench_dir / "bench_tiers.py"), "--out", str(work / "tiers")]
     restart = [py, str(bench_dir / "bench_restart.py")]
+    switch = [py, str(bench_dir / "bench_switch.py"), "--out", str(work / "switch")]
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
         tiers += ["--quick"]
         restart += ["--items", "8", "--shape", "64,64,48", "--crop", "32", "--repeats", "1"]
+        switch += ["--quick", "--settings", "2x1"]
     return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "loader": loader,
-            "smartcache": smartcache, "tiers": tiers, "restart": restart}
+            "smartcache": smartcache, "tiers": tiers, "restart": restart, "switch": switch}
 
 
 def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
@@ -291,6 +294,8 @@ _TITLES = {
     "(details: [tiers.md](tiers.md))",
     "restart": "A rank's crash under torchrun --max-restarts — `benchmarks/bench_restart.py` "
     "(details: [distributed.md](distributed.md#restarts-and-elastic-jobs))",
+    "switch": "Auto3DSeg's segresnet pattern: a Manager list as runtime_cache — `benchmarks/bench_switch.py` "
+    "(details: [migrating.md](migrating.md))",
 }
 
 
@@ -469,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
                 md = work / "loader" / "bench_loader.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
                 r["plot"] = work / "loader" / "bench_loader.png"
-            elif name in ("smartcache", "tiers"):
+            elif name in ("smartcache", "tiers", "switch"):
                 md = work / name / f"bench_{name}.md"
                 r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
             if rc != 0:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from functools import partial
+from multiprocessing.managers import BaseProxy
 from multiprocessing.pool import ThreadPool
 from typing import Any
 
@@ -26,7 +28,7 @@ from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
 from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
-from monai_cache.runtime import COUNTERS, cache_stats, release_freed_memory
+from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -56,6 +58,28 @@ _MONAI_ATTRIBUTES = frozenset(
     ("data", "transform", "set_num", "set_rate", "progress", "copy_cache", "as_contiguous", "hash_as_key", "hash_func",
      "num_workers", "runtime_cache", "cache_num", "_cache", "_hash_keys")
 )
+
+
+_log = logging.getLogger("monai_cache")
+_proxy_noted = False
+
+
+def _note_proxy(proxy: BaseProxy) -> None:
+    """Say once per process that a cross-process ``runtime_cache`` gets the shared-memory cache (INFO, on stderr
+    unless logging is configured)."""
+    global _proxy_noted
+    if _proxy_noted:
+        return
+    _proxy_noted = True
+    if not _log.hasHandlers():  # nothing configured: the line would be dropped, and the user never told
+        _log.addHandler(logging.StreamHandler())
+        _log.setLevel(logging.INFO)
+    _log.info(
+        "monai_cache: runtime_cache is a %s (a cross-process list): CacheDataset keeps its items in the node-wide "
+        "shared-memory cache instead, as runtime_cache=True does, shared by every DataLoader worker and rank of this "
+        "machine; nothing is put in the list",
+        type(proxy).__name__,
+    )
 
 
 class _EntryName:
@@ -97,8 +121,12 @@ class CacheDataset(_MonaiCacheDataset):
       finds the cache already filled starts at once.
     * ``runtime_cache=True``, ``"threads"`` or ``"processes"``: entries are computed by whichever worker or
       rank first needs them, and published for all the others.
-    * a list-like object passed as ``runtime_cache``: used as the cache, with MONAI's meaning (private to
-      whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
+    * a cross-process list passed as ``runtime_cache`` (a ``multiprocessing`` Manager's ``ListProxy``, or any
+      ``BaseProxy``: Auto3DSeg's segresnet broadcasts one to the ranks of a node): the shared-memory cache, as
+      ``runtime_cache=True``, shared by every worker and rank of the machine whichever proxy each holds; nothing is
+      put in the list (its server process holds no item), and one log line says so.
+    * another list-like object passed as ``runtime_cache`` (a plain list): used as the cache, with MONAI's meaning
+      (private to whoever holds it); ``shared_memory=False`` gives MONAI's in-process cache back altogether.
 
     Processes find the same cache by a fingerprint of the data, the deterministic transforms (your own
     functions and classes by value: code, constants, closures and the globals they read) and the options;
@@ -140,8 +168,9 @@ class CacheDataset(_MonaiCacheDataset):
         hash_func: if `hash_as_key`, a callable to compute hash from data items to be cached.
             defaults to `monai.data.utils.pickle_hashing`.
         runtime_cache: ``False`` to fill the cache during initialization; ``True``, ``"threads"`` or
-            ``"processes"`` to fill it on the fly (in shared memory); or a list-like container to use as
-            the cache with MONAI's semantics.
+            ``"processes"`` to fill it on the fly (in shared memory); a cross-process list (a Manager's
+            ``ListProxy``) fills the shared-memory cache on the fly too, and stays empty; another list-like
+            container is used as the cache with MONAI's semantics.
         shared_memory: keep the cache in shared memory (default). ``False`` restores MONAI's in-process
             cache (with the ``hash_as_key`` fix).
         shm_dir: tmpfs directory for the cache; default ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``.
@@ -269,11 +298,19 @@ class CacheDataset(_MonaiCacheDataset):
         self._hash_index: dict[bytes, int] = {}
         self._cache_data_index = np.zeros(0, dtype=np.int64)
         self._counts = {"hits": 0, "misses": 0}
+        # a private cache's counters, also counted by the DataLoader workers forked from this process: made by set_data
+        self._private_counters: SharedCounters | None = None
 
     def _in_shared_memory(self) -> bool:
-        return bool(self.shared_memory) and (
-            self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
-        )
+        if not self.shared_memory:
+            return False
+        if isinstance(self.runtime_cache, BaseProxy):
+            # A cross-process list (a Manager's ListProxy: Auto3DSeg's segresnet broadcasts one to the ranks of a
+            # node) asks for one cache shared by processes: the node-wide cache is that, without a server process
+            # that every read goes through. Its name never depends on the proxy, so every rank finds the same one.
+            _note_proxy(self.runtime_cache)
+            return True
+        return self.runtime_cache in (False, None, True) or isinstance(self.runtime_cache, str)
 
     def _plan(self, data: Sequence) -> list[int]:
         """MONAI's choice of cached items; returns the data index of each cache entry."""
@@ -336,6 +373,8 @@ class CacheDataset(_MonaiCacheDataset):
                 "shared_memory=True and runtime_cache a bool or a string, or use monai_cache.PersistentDataset"
             )
         if not self._in_shared_memory():
+            self._counts = {"hits": 0, "misses": 0}
+            self._private_counters = SharedCounters(("hits", "misses"))
             super().set_data(data)  # MONAI's containers; our _transform applies the hash_as_key fix
             if self.hash_as_key:
                 self._hash_index = {k: i for i, k in enumerate(self._hash_keys)}
@@ -524,11 +563,16 @@ class CacheDataset(_MonaiCacheDataset):
         else:
             data = self._cache[cache_index]
             private = False
+            counters = self._private_counters
             if data is None:  # runtime cache computation, from the right data item (MONAI bug fix)
                 self._counts["misses"] += 1
+                if counters is not None:
+                    counters.add({"misses": 1})
                 data = self._cache[cache_index] = self._load_cache_item(data_index)
             else:
                 self._counts["hits"] += 1
+                if counters is not None:
+                    counters.count_read(0)  # this process's own slot: no lock
         if not isinstance(self.transform, Compose):  # e.g. reassigned to a plain callable; MONAI's message
             raise ValueError("transform must be an instance of monai.transforms.Compose.")
         transforms = self.transform.transforms
@@ -552,9 +596,11 @@ class CacheDataset(_MonaiCacheDataset):
         dataset of monai_cache returns (keys documented in :func:`monai_cache.runtime.cache_stats`).
 
         ``process`` counts this process (in a DataLoader worker: the worker); ``total`` is shared by every process
-        of the machine using the same shared-memory cache; ``stored`` is what the cache holds. With a private
-        cache (``shared_memory=False``, or a list passed as ``runtime_cache``), ``process`` and ``total`` both
-        hold this process's ``hits`` and ``misses``, and ``stored`` its entries and their tensor bytes. With a
+        of the machine using the same shared-memory cache (DataLoader workers and ranks: called in the main process,
+        ``total`` shows what its workers read); ``stored`` is what the cache holds. With a private cache
+        (``shared_memory=False``, or a plain list passed as ``runtime_cache``), ``process`` holds this process's
+        ``hits`` and ``misses``, ``total`` those of this process and the DataLoader workers forked from it (each with
+        a private cache of its own, as in MONAI), and ``stored`` this process's entries and their tensor bytes. With a
         ``cache_dir``, ``"disk"`` holds the disk tier's counters (``misses`` above then counts items read from
         disk or computed). Once this process keeps items of its own (``process_cache``: items on an accelerator),
         ``"process_cache"`` holds ``entries``, ``bytes``, ``hits`` (reads served from them, not counted above) and
@@ -570,9 +616,12 @@ class CacheDataset(_MonaiCacheDataset):
             return stats
         counts = dict.fromkeys(COUNTERS, 0)
         counts.update(self._counts)
+        total = dict(counts)
+        if self._private_counters is not None:
+            total.update(self._private_counters.snapshot())
         held = [self._cache[i] for i in range(len(self._cache))]
         held = [item for item in held if item is not None]
-        return cache_stats(counts, counts, len(held), sum(codec.item_nbytes(item) for item in held))
+        return cache_stats(counts, total, len(held), sum(codec.item_nbytes(item) for item in held))
 
     def release(self) -> None:
         """Stop using the shared-memory cache now (it is removed if this was its last user). A disk tier's

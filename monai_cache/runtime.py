@@ -290,10 +290,11 @@ def cache_stats(process: Mapping[str, int], total: Mapping[str, int], entries: i
 
         {"process": {...}, "total": {...}, "stored": {"entries": int, "bytes": int}}
 
-    ``process`` counts this process only (in a DataLoader worker: that worker). ``total`` counts every process
-    that shares the cache's counters: for the shared-memory cache, every process of the machine using it; for
-    the disk cache, this process and the DataLoader workers forked from it (spawned workers count alone). Both
-    hold the same keys:
+    ``process`` counts this process only (in a DataLoader worker: that worker; in a main process whose workers do
+    the reading: nothing). ``total`` counts every process that shares the cache's counters: for the shared-memory
+    cache, every process of the machine using it (DataLoader workers and ranks); for the disk cache and a
+    ``CacheDataset``'s private cache, this process and the DataLoader workers forked from it (spawned workers
+    count alone). Both hold the same keys:
 
     * ``hits``: items read from the cache; ``misses``: items computed because they were not cached;
     * ``writes``: entries stored; ``skipped``: entries not stored (no room, writes disabled, a value the codec

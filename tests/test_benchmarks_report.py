@@ -88,6 +88,13 @@ _STUBS = {
         print("|---|---:|")
         print("| monai_cache | 2.00 |")
     """,
+    "bench_switch.py": """
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        table = "| | stock | switch |\\n|---|---:|---:|\\n| warm | 1 |\\n"
+        open(os.path.join(out, "bench_switch.md"), "w").write(table)
+    """,
     "bench_loader.py": """
         import json, os, sys
         if "--quick" not in sys.argv:
@@ -114,7 +121,7 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     summary = json.loads(p.stdout)  # --json: nothing else on stdout
     assert summary["failed"] == []
     assert set(summary["benchmarks"]) == {
-        "cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart"
+        "cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart", "switch"
     }
     assert summary["machine"]["cpus"] and summary["machine"]["ram_bytes"]
     report = (docs / "benchmarks.md").read_text()
@@ -123,6 +130,7 @@ def test_bench_runs_the_scripts_and_writes_the_report(tmp_path):
     assert "| ours-cache | 2,000 |" in report and "| ours | 1 |" in report and "### restart" in report
     assert "| monai_cache | 2.00 |" in report and "bench_restart.py" in report
     assert "## DataLoader" in report and "| | monai | ours+ours |" in report
+    assert "segresnet" in report and "| | stock | switch |" in report
     for png in ("bench_epochs.png", "bench_memory.png", "bench_disk.png", "bench_scale.png", "bench_loader.png"):
         assert (docs / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{png}" in report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 import warnings
@@ -36,21 +37,30 @@ def outputs(ds, seed, n=None):
     return [ds[i] for i in range(n or len(ds))]
 
 
-@pytest.mark.parametrize("runtime_cache", [False, True, "processes"])
+@pytest.mark.parametrize("runtime_cache", [False, True, "processes", "a Manager list"])
 @pytest.mark.parametrize("copy_cache", [True, False])
 def test_same_tensors_and_metadata_as_monai(shm_dir, volumes, runtime_cache, copy_cache):
     tr = chain()
-    kw = dict(transform=tr, progress=False, copy_cache=copy_cache, runtime_cache=runtime_cache)
-    ref = monai.data.CacheDataset(volumes, **kw)
-    ours = monai_cache.CacheDataset(volumes, **kw)
+    kw = dict(transform=tr, progress=False, copy_cache=copy_cache)
+    lists = []
+    if runtime_cache == "a Manager list":  # Auto3DSeg's segresnet: one each, as each would be filled by MONAI
+        manager = multiprocessing.Manager()
+        lists = [manager.list([None] * len(volumes)) for _ in range(2)]
+    ref = monai.data.CacheDataset(volumes, runtime_cache=lists[0] if lists else runtime_cache, **kw)
+    ours = monai_cache.CacheDataset(volumes, runtime_cache=lists[1] if lists else runtime_cache, **kw)
     assert isinstance(ours, monai.data.CacheDataset)
     for epoch in range(2):  # miss then hit for the runtime modes
         expected = outputs(ref, 100 + epoch)
         got = outputs(ours, 100 + epoch)
         for e, g in zip(expected, got):
             assert_same(e, g)
-    if runtime_cache == "processes":
+    if runtime_cache in ("processes", "a Manager list"):
         assert "ListProxy" not in type(ours._cache).__name__  # shared memory, not a Manager
+        assert ours.cache_stats()["total"]["hits"] == len(volumes)
+    if lists:  # MONAI's items are in its list; ours stays empty (the user's object, left as it was)
+        assert None not in list(lists[0]) and list(lists[1]) == [None] * len(volumes)
+        assert ours.runtime_cache is lists[1]
+        manager.shutdown()
     ours.release()
 
 
@@ -472,6 +482,29 @@ def test_private_cache_option_gives_monai_behaviour(shm_dir, volumes):
     ds2 = monai_cache.CacheDataset(volumes[:2], chain(crop=None), runtime_cache=user, progress=False)
     ds2[1]
     assert user[0] is None and user[1] is not None  # a user container keeps MONAI's meaning
+
+
+@pytest.mark.parametrize("kw", [{"shared_memory": False}, {"runtime_cache": "a plain list"}])
+def test_private_cache_stats_in_the_main_process_count_its_workers(shm_dir, kw):
+    """A private cache is each process's own (MONAI's meaning); the main process's ``total`` still counts the reads
+    of the DataLoader workers forked from it, which ``process`` leaves out."""
+    n = 8
+    if "runtime_cache" in kw:
+        kw = {"runtime_cache": [None] * n}
+    ds = monai_cache.CacheDataset([{"x": i} for i in range(n)], Compose([Times10(keys="x")]), progress=False, **kw)
+    if "runtime_cache" not in kw:
+        ds[0]  # the main process's own read: the eager fill already holds it
+    loader = DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        assert sorted(int(b["x"]) for b in loader) == [10 * i for i in range(n)]
+    stats = ds.cache_stats()
+    own = 0 if "runtime_cache" in kw else 1
+    assert (stats["process"]["hits"], stats["process"]["misses"]) == (own, 0)
+    if "runtime_cache" in kw:  # each worker fills its own copy of the list in epoch 1 (the same items each epoch)
+        assert (stats["total"]["hits"], stats["total"]["misses"]) == (n, n)
+    else:
+        assert (stats["total"]["hits"], stats["total"]["misses"]) == (2 * n + own, 0)
+    assert os.listdir(shm_dir) == []
 
 
 KILLED_WORKER = """
