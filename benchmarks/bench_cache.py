@@ -372,9 +372,10 @@ def prepare_data(out: str, items: int, shape: Sequence[int], seed: int, bar: Any
     """Write (or reuse) the synthetic volumes under ``out``; returns the path of the data list (JSON).
 
     ``shape`` is ``(x, y, z)``, or ``(x, y, z_min, z_max)`` for volumes of different depths."""
-    data_dir = os.path.join(out, "data", f"ct-{shape_text(shape)}-seed{seed}")
-    update = bar.update if bar is not None else None
     depths = depths_for(shape, items)
+    spread = f"-{items}" if depths else ""  # the depths depend on the item count: one directory per count
+    data_dir = os.path.join(out, "data", f"ct-{shape_text(shape)}{spread}-seed{seed}")
+    update = bar.update if bar is not None else None
     files = make_dataset(data_dir, items=items, shape=shape[:3], seed=seed, progress=update, depths=depths)
     data_list = os.path.join(out, f"datalist-{items}-{shape_text(shape)}-seed{seed}.json")
     with open(data_list, "w") as f:
@@ -532,10 +533,12 @@ def run_all(args: argparse.Namespace, items: int, shape: tuple[int, ...], epochs
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    # repeats outermost (every setting and configuration once, then again): drift on a shared machine spreads over
+    # all of them, and a run cut short still has whole repeats
     runs = [
         (ranks, workers, rep, name)
-        for ranks, workers in args.settings
         for rep in range(args.repeats)
+        for ranks, workers in args.settings
         for name in args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
     ]
     total = items + sum(1 + epochs * batches_per_epoch(items, r, args.batch_size) for r, _w, _rep, _n in runs)
@@ -568,6 +571,20 @@ def run_all(args: argparse.Namespace, items: int, shape: tuple[int, ...], epochs
         bar.close()
         shutil.rmtree(shm_dir, ignore_errors=True)
     return records
+
+
+def load_runs(out: str) -> list[dict[str, Any]]:
+    """The records of the finished runs under ``out/runs`` (those :func:`run_all` wrote), in the order they ran."""
+    records = []
+    runs = os.path.join(os.path.abspath(out), "runs")
+    for name in os.listdir(runs):
+        path = os.path.join(runs, name, "result.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                record = json.load(f)
+            record["repeat"] = int(name.rsplit("-", 1)[1])
+            records.append((os.path.getmtime(path), record))
+    return [r for _t, r in sorted(records, key=lambda tr: tr[0])]
 
 
 def summarize(records: list[dict[str, Any]], items: int) -> dict[tuple[int, int], dict[str, dict[str, Any]]]:
@@ -869,6 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also time and cProfile warm reads in this process")
     parser.add_argument("--out", default=default_out_dir(), help=f"results directory (default {default_out_dir()})")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--summarize", action="store_true", help="run nothing: report the runs under --out/runs (of a run cut short)"
+    )
     args = parser.parse_args(argv)
     if args.rank_spec:
         rank_main(args.rank_spec)
@@ -881,7 +901,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: without {UNCACHED} memory cannot be expressed above the uncached run", file=sys.stderr)
 
     t0 = time.perf_counter()
-    records = run_all(args, items, shape, epochs)  # type: ignore[arg-type]
+    records = load_runs(args.out) if args.summarize else run_all(args, items, shape, epochs)
     summary = summarize(records, items)
     copy_bytes = next((r["one_copy_bytes"] for r in records if r["config"] == BASELINE and r["one_copy_bytes"]), None)
     report = [
