@@ -21,6 +21,9 @@ Parts:
 * what the miss path does not do by default: ``data CRC-32`` (``verify=True`` only), ``read back`` (map the
   entry and touch every voxel; a miss returns the computed object instead), ``deepcopy`` (MONAI's ``copy_cache``).
 
+Then the same for many small items (``--small``, default 2,000: ``bench_scale.py``'s 64x64 float32 images of 16 KiB,
+packed into shared segments): making one, the store's miss path, and a hit. In microseconds per item.
+
 Usage::
 
     python benchmarks/fill_breakdown.py                 # 8 volumes of 160x160x83-108, 5 passes
@@ -78,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "monai-cache-bench"), help="data dir")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--small", type=int, default=2000, help="small items (0: skip them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as in a DataLoader worker
     with open(bench_cache.prepare_data(os.path.abspath(args.out), args.items, args.shape, 0)) as f:
@@ -143,7 +147,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(format_table(rows, markdown=args.markdown, rule=True))
+    if args.small:
+        print()
+        print(format_table(small_items(args.small, args.rounds), markdown=args.markdown, rule=True))
     return 0
+
+
+def small_items(n: int, rounds: int) -> list[list[str]]:
+    """Rows of the small-item breakdown: CPU microseconds per item, medians over ``rounds`` interleaved passes."""
+    import bench_scale
+
+    make = bench_scale._make_transform()()
+    items = [make({"i": i}) for i in range(n)]
+    shm_dir = tempfile.mkdtemp(prefix="monai_cache-bench-", dir=os.environ.get("MONAI_CACHE_SHM_DIR", "/dev/shm"))
+    results: dict[str, list[float]] = {"make a 16 KiB item (uncached read)": [], "store miss path": [], "hit": []}
+    try:
+        for r in range(rounds):
+            results["make a 16 KiB item (uncached read)"].append(per_item(lambda i: make({"i": i}), n)[0])
+            store = SharedMemoryStore(f"small{r}", n, shm_dir=shm_dir)
+            miss = per_item(lambda i: store.get_or_compute(i, lambda: items[i], reuse_computed=True), n)  # noqa: B023
+            results["store miss path"].append(miss[0])
+            results["hit"].append(per_item(lambda i: store[i], n)[0])  # noqa: B023
+            store.release()
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    rows = [[f"{n:,} small items, one thread", "CPU us / item", ""]]
+    for name, vals in results.items():
+        rows.append([name, f"{statistics.median(vals) * 1e3:.1f}", ""])
+    return [row[:2] for row in rows]
 
 
 if __name__ == "__main__":
