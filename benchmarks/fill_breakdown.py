@@ -75,7 +75,7 @@ def per_item(fn: Callable[[int], Any], n: int) -> tuple[float, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the breakdown and print the table; returns 0."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--items", type=int, default=8)
+    parser.add_argument("--items", type=int, default=8, help="volumes (0: skip them)")
     parser.add_argument("--shape", type=bench_cache._shape, default=(160, 160, 83, 108))
     parser.add_argument("--crop", type=lambda t: bench_cache._shape(t, "--crop"), default=(64, 64, 64))
     parser.add_argument("--rounds", type=int, default=5)
@@ -84,6 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small", type=int, default=2000, help="small items (0: skip them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as in a DataLoader worker
+    if args.items:
+        volumes(args)
+    if args.small:
+        if args.items:
+            print()
+        print(format_table(small_items(args.small, args.rounds), markdown=args.markdown, rule=True))
+    return 0
+
+
+def volumes(args: argparse.Namespace) -> None:
+    """Print the breakdown for CT-like volumes."""
     with open(bench_cache.prepare_data(os.path.abspath(args.out), args.items, args.shape, 0)) as f:
         files = json.load(f)
     chain = tutorial_transforms(args.crop)
@@ -147,10 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(format_table(rows, markdown=args.markdown, rule=True))
-    if args.small:
-        print()
-        print(format_table(small_items(args.small, args.rounds), markdown=args.markdown, rule=True))
-    return 0
 
 
 def small_items(n: int, rounds: int) -> list[list[str]]:
