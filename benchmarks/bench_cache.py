@@ -326,6 +326,7 @@ def rank_main(spec_path: str) -> None:
         "cpu_setup": cpu_setup,
         "tree_cpu_setup": tree_setup,
         "cpu_end": _cpu_seconds(),
+        "tree_cpu_end": harness.tree_cpu_seconds(os.getpid()),  # persistent workers are alive, never reaped
         "stats": stats,
         "one_copy_bytes": one_copy,
         "sampler": type(sampler).__name__,
@@ -458,7 +459,7 @@ def summarize_run(
     config = CONFIGS[spec.config]
     epochs = [max(r["epochs"][e]["seconds"] for r in ranks) for e in range(spec.epochs)]
     reads = sum(ep["reads"] for r in ranks for ep in r["epochs"])
-    cpu = sum(r["cpu_end"]["self"] + r["cpu_end"]["children"] for r in ranks)
+    cpu = sum(r.get("tree_cpu_end", r["cpu_end"]["self"] + r["cpu_end"]["children"]) for r in ranks)
     setup_cpu = sum(r["cpu_setup"]["self"] - r["cpu_start"]["self"] for r in ranks)
     stats = next((r["stats"] for r in ranks if r["stats"] is not None), None)
     if stats is not None:  # monai_cache: the machine-wide counters
