@@ -357,8 +357,9 @@ class SharedMemoryStore:
         fits = self._reserve_space(size)
         if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
             # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
-            # back before the next is computed (see runtime). Not otherwise: re-faulting the pages costs about 7 %
-            # of a CT volume's compute (~25 ms of 330 ms, 5,000 more page faults), and glibc reuses them anyway.
+            # back before the next is computed (see runtime). Not otherwise: re-faulting the pages cost 7-13 % of a
+            # CT volume's compute (25-51 ms, 5,000-11,000 more page faults: benchmarks/fill_breakdown.py), and glibc
+            # reuses them anyway.
             freed_large_item()
         if not fits:
             return False
