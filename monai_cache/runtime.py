@@ -64,7 +64,8 @@ __all__ = [
 # ends in the OOM killer). Giving the freed pages back before the next large item is computed bounds that at about
 # one item; malloc_trim costs under a microsecond when there is nothing to give back. The shared-memory store asks
 # for it only while memory is tight (shm._TIGHT_ITEMS): with room to spare, the pages given back are faulted in again
-# by the next item (5,000-11,000 faults, 7-13 % of a CT volume's compute) and the heap stays at about one item without it.
+# by the next item (5,000-11,000 faults, 7-13 % of a CT volume's compute), and the heap stays at about one item
+# without it.
 
 _freed_large = False
 
