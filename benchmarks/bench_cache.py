@@ -118,6 +118,7 @@ class RunSpec:
         step: ``"conv"`` (tiny 3-D conv forward/backward, gradients all-reduced) or ``"sum"`` (sum the batch,
             all-reduce the sum).
         seed: seed of the random crops and the sampler.
+        persistent_workers: the DataLoader's ``persistent_workers`` (workers forked once, not per epoch).
     """
 
     config: str
@@ -133,6 +134,7 @@ class RunSpec:
     fill_threads: int = 1
     step: str = "conv"
     seed: int = 0
+    persistent_workers: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,7 +261,14 @@ def rank_main(spec_path: str) -> None:
     _PHASE = "epoch"
     events.emit("S")
     sampler: DistributedSampler = DistributedSampler(dataset, shuffle=True, seed=spec.seed)
-    loader = DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler, num_workers=spec.workers)
+    loader = DataLoader(
+        dataset,
+        batch_size=spec.batch_size,
+        sampler=sampler,
+        num_workers=spec.workers,
+        persistent_workers=spec.persistent_workers and spec.workers > 0,
+    )
+    tree_setup = harness.tree_cpu_seconds(os.getpid())
     ttfb: float | None = None
     epochs = []
     for epoch in range(spec.epochs):
@@ -292,6 +301,8 @@ def rank_main(spec_path: str) -> None:
                 "batches": batches,
                 "reads": len(sampler),
                 "cpu": _cpu_seconds(),
+                # this process, its living workers (persistent ones are never reaped) and those it reaped
+                "tree_cpu": harness.tree_cpu_seconds(os.getpid()),
             }
         )
     dist.barrier()  # all workers of all ranks are done: the shared counters are final
@@ -313,7 +324,9 @@ def rank_main(spec_path: str) -> None:
         "epochs": epochs,
         "cpu_start": cpu0,
         "cpu_setup": cpu_setup,
+        "tree_cpu_setup": tree_setup,
         "cpu_end": _cpu_seconds(),
+        "tree_cpu_end": harness.tree_cpu_seconds(os.getpid()),  # persistent workers are alive, never reaped
         "stats": stats,
         "one_copy_bytes": one_copy,
         "sampler": type(sampler).__name__,
@@ -342,12 +355,30 @@ def default_out_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "monai-cache-bench")
 
 
+def shape_text(shape: Sequence[int]) -> str:
+    """``160x160x96``, or ``160x160x83-108`` for a range of depths (see :func:`depths_for`)."""
+    return "x".join(map(str, shape[:3])) + (f"-{shape[3]}" if len(shape) > 3 else "")
+
+
+def depths_for(shape: Sequence[int], items: int) -> list[int] | None:
+    """The z size of each volume for a shape with a range of depths ``(x, y, z_min, z_max)``, spread evenly over the
+    items (as CT series of different lengths); None for a fixed ``(x, y, z)``."""
+    if len(shape) == 3:
+        return None
+    lo, hi = shape[2], shape[3]
+    return [lo + round(i * (hi - lo) / max(1, items - 1)) for i in range(items)]
+
+
 def prepare_data(out: str, items: int, shape: Sequence[int], seed: int, bar: Any = None) -> str:
-    """Write (or reuse) the synthetic volumes under ``out``; returns the path of the data list (JSON)."""
-    data_dir = os.path.join(out, "data", f"ct-{'x'.join(map(str, shape))}-seed{seed}")
+    """Write (or reuse) the synthetic volumes under ``out``; returns the path of the data list (JSON).
+
+    ``shape`` is ``(x, y, z)``, or ``(x, y, z_min, z_max)`` for volumes of different depths."""
+    depths = depths_for(shape, items)
+    spread = f"-{items}" if depths else ""  # the depths depend on the item count: one directory per count
+    data_dir = os.path.join(out, "data", f"ct-{shape_text(shape)}{spread}-seed{seed}")
     update = bar.update if bar is not None else None
-    files = make_dataset(data_dir, items=items, shape=shape, seed=seed, progress=update)
-    data_list = os.path.join(out, f"datalist-{items}-{'x'.join(map(str, shape))}-seed{seed}.json")
+    files = make_dataset(data_dir, items=items, shape=shape[:3], seed=seed, progress=update, depths=depths)
+    data_list = os.path.join(out, f"datalist-{items}-{shape_text(shape)}-seed{seed}.json")
     with open(data_list, "w") as f:
         json.dump(files, f)
     return data_list
@@ -435,7 +466,7 @@ def summarize_run(
     config = CONFIGS[spec.config]
     epochs = [max(r["epochs"][e]["seconds"] for r in ranks) for e in range(spec.epochs)]
     reads = sum(ep["reads"] for r in ranks for ep in r["epochs"])
-    cpu = sum(r["cpu_end"]["self"] + r["cpu_end"]["children"] for r in ranks)
+    cpu = sum(r.get("tree_cpu_end", r["cpu_end"]["self"] + r["cpu_end"]["children"]) for r in ranks)
     setup_cpu = sum(r["cpu_setup"]["self"] - r["cpu_start"]["self"] for r in ranks)
     stats = next((r["stats"] for r in ranks if r["stats"] is not None), None)
     if stats is not None:  # monai_cache: the machine-wide counters
@@ -445,11 +476,11 @@ def summarize_run(
     else:
         hits, misses = 0, int(computes["computes"])
     one_copy = next((r["one_copy_bytes"] for r in ranks if r.get("one_copy_bytes")), None)
-    warm_cpu = first_cpu = 0.0  # CPU of epochs 2.., and of epoch 1 (workers are reaped at the end of each epoch)
+    warm_cpu = first_cpu = 0.0  # CPU of epochs 2.., and of epoch 1: each rank's whole process tree (workers too)
     for r in ranks:
-        ends = [ep["cpu"]["self"] + ep["cpu"]["children"] for ep in r["epochs"]]
+        ends = [ep["tree_cpu"] for ep in r["epochs"]]
         warm_cpu += ends[-1] - ends[0]
-        first_cpu += ends[0] - (r["cpu_setup"]["self"] + r["cpu_setup"]["children"])
+        first_cpu += ends[0] - r["tree_cpu_setup"]
     warm_window = None
     if spec.epochs > 1:
         warm_window = (min(r["epochs"][1]["start"] for r in ranks), max(r["epochs"][-1]["end"] for r in ranks))
@@ -504,16 +535,18 @@ ROWS: tuple[tuple[str, str, str, bool], ...] = (
 )
 
 
-def run_all(args: argparse.Namespace, items: int, shape: tuple[int, int, int], epochs: int) -> list[dict[str, Any]]:
+def run_all(args: argparse.Namespace, items: int, shape: tuple[int, ...], epochs: int) -> list[dict[str, Any]]:
     """Run every (setting, configuration, repeat); returns the raw records of :func:`launch`."""
     from tqdm import tqdm
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    # repeats outermost (every setting and configuration once, then again): drift on a shared machine spreads over
+    # all of them, and a run cut short still has whole repeats
     runs = [
         (ranks, workers, rep, name)
-        for ranks, workers in args.settings
         for rep in range(args.repeats)
+        for ranks, workers in args.settings
         for name in args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
     ]
     total = items + sum(1 + epochs * batches_per_epoch(items, r, args.batch_size) for r, _w, _rep, _n in runs)
@@ -533,10 +566,11 @@ def run_all(args: argparse.Namespace, items: int, shape: tuple[int, int, int], e
                 workers=workers,
                 epochs=epochs,
                 batch_size=args.batch_size,
-                spatial_size=crop_size_for(shape),
+                spatial_size=args.crop or crop_size_for(shape[:3]),
                 fill_threads=args.fill_threads,
                 step=args.step,
                 seed=args.seed,
+                persistent_workers=args.persistent_workers,
             )
             record = launch(spec, lambda _event: bar.update(1), mem_interval=args.mem_interval)
             record["repeat"] = rep
@@ -545,6 +579,20 @@ def run_all(args: argparse.Namespace, items: int, shape: tuple[int, int, int], e
         bar.close()
         shutil.rmtree(shm_dir, ignore_errors=True)
     return records
+
+
+def load_runs(out: str) -> list[dict[str, Any]]:
+    """The records of the finished runs under ``out/runs`` (those :func:`run_all` wrote), in the order they ran."""
+    records = []
+    runs = os.path.join(os.path.abspath(out), "runs")
+    for name in os.listdir(runs):
+        path = os.path.join(runs, name, "result.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                record = json.load(f)
+            record["repeat"] = int(name.rsplit("-", 1)[1])
+            records.append((os.path.getmtime(path), record))
+    return [r for _t, r in sorted(records, key=lambda tr: tr[0])]
 
 
 def summarize(records: list[dict[str, Any]], items: int) -> dict[tuple[int, int], dict[str, dict[str, Any]]]:
@@ -619,6 +667,59 @@ def format_fill_vs_ranks(summary: dict[tuple[int, int], dict[str, dict[str, Any]
             row.append(f"{vals[-1] / vals[0]:.2f}x" if vals[0] and vals[-1] is not None else "-")
         body.append(row)
     return format_table([header, *body], markdown=markdown, rule=True)
+
+
+# (title, configuration, reference, key): per-repeat ratios, each configuration against its reference of the same repeat
+RATIOS: tuple[tuple[str, str, str, str], ...] = (
+    ("first epoch on the fly / uncached, wall", "monai-cache-runtime", UNCACHED, "first_epoch_s"),
+    ("first epoch on the fly / uncached, CPU", "monai-cache-runtime", UNCACHED, "first_epoch_cpu_s"),
+    ("warm epoch eager / MONAI, wall", "monai-cache", BASELINE, "warm_epoch_s"),
+    ("warm epoch eager / MONAI, CPU", "monai-cache", BASELINE, "warm_epoch_cpu_s"),
+    ("warm epoch on the fly / MONAI, wall", "monai-cache-runtime", BASELINE, "warm_epoch_s"),
+    ("warm epoch on the fly / MONAI, CPU", "monai-cache-runtime", BASELINE, "warm_epoch_cpu_s"),
+)
+
+
+def per_repeat_ratios(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, list[float]]]:
+    """``{(ranks, workers): {title: [ratio of each repeat]}}`` for the :data:`RATIOS` whose configurations ran: each
+    repeat's configuration against the reference run in the same rotation (so drift on a shared machine cancels)."""
+    out: dict[tuple[int, int], dict[str, list[float]]] = {}
+    by_run = {(r["ranks"], r["workers"], r["repeat"], r["config"]): r for r in records}
+    for ranks, workers in sorted({(r["ranks"], r["workers"]) for r in records}):
+        repeats = sorted({r["repeat"] for r in records if (r["ranks"], r["workers"]) == (ranks, workers)})
+        table: dict[str, list[float]] = {}
+        for title, name, ref, key in RATIOS:
+            vals = []
+            for rep in repeats:
+                a, b = by_run.get((ranks, workers, rep, name)), by_run.get((ranks, workers, rep, ref))
+                if a and b and a.get(key) is not None and b.get(key):
+                    vals.append(a[key] / b[key])
+            if vals:
+                table[title] = vals
+        out[(ranks, workers)] = table
+    return out
+
+
+def format_ratios(ratios: dict[str, list[float]], markdown: bool) -> str:
+    """Each repeat's ratio and their median, one row per :data:`RATIOS` entry."""
+    n = max((len(v) for v in ratios.values()), default=0)
+    header = ["ratio", *(f"repeat {i + 1}" for i in range(n)), "median"]
+    body = [[title, *(f"{v:.3f}" for v in vals), *([""] * (n - len(vals))), f"{harness.median(vals):.3f}"]
+            for title, vals in ratios.items()]  # fmt: skip
+    return format_table([header, *body], markdown=markdown, rule=True)
+
+
+def check_ratio_targets(ratios: dict[tuple[int, int], dict[str, list[float]]]) -> list[tuple[bool, str]]:
+    """Issue #27's targets on medians of per-repeat ratios: the first epoch on the fly at most 1.03x an uncached one
+    (wall and CPU), warm epochs at most MONAI's (eager and on the fly)."""
+    checks = []
+    for (ranks, workers), table in sorted(ratios.items()):
+        for title, vals in table.items():
+            bound = 1.03 if title.startswith("first epoch") else 1.0
+            med = harness.median(vals)
+            text = f"[{ranks}x{workers}] {title}: median of per-repeat ratios {med:.3f} <= {bound}"
+            checks.append((med <= bound, text))
+    return checks
 
 
 def check_targets(summary: dict[tuple[int, int], dict[str, dict[str, Any]]], items: int) -> list[tuple[bool, str]]:
@@ -730,11 +831,22 @@ def profile_warm_reads(data_list: str, spatial_size: Sequence[int], top: int = 1
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def _shape(text: str, what: str = "--shape") -> tuple[int, ...]:
+    """``XxYxZ``, or ``XxYxZMIN-ZMAX`` (volumes of different depths: ``(x, y, z_min, z_max)``)."""
     parts = text.strip().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) >= 8 for p in parts):
-        raise argparse.ArgumentTypeError(f"--shape needs 3 sizes of at least 8 voxels, like 160x160x96; got {text!r}")
-    return tuple(int(p) for p in parts)
+    if len(parts) == 3 and what == "--shape" and "-" in parts[2]:
+        parts = parts[:2] + parts[2].split("-", 1)
+    sizes = [int(p) for p in parts if p.isdigit()]
+    if (
+        len(sizes) != len(parts)
+        or len(sizes) not in (3, 4)
+        or min(sizes) < 8
+        or sizes[2:] != sorted(sizes[2:])
+        or (what != "--shape" and len(sizes) != 3)
+    ):
+        example = "160x160x96 or 160x160x83-108" if what == "--shape" else "64x64x64"
+        raise argparse.ArgumentTypeError(f"{what} needs sizes of at least 8 voxels, like {example}; got {text!r}")
+    return tuple(sizes)
 
 
 def _configs(text: str) -> list[str]:
@@ -751,7 +863,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
     parser.add_argument("--items", type=int, default=None, help="volumes (default 24; --quick 8)")
-    parser.add_argument("--shape", type=_shape, default=None, help="voxels per volume (default 160x160x96)")
+    parser.add_argument(
+        "--shape",
+        type=_shape,
+        default=None,
+        help="voxels per volume (default 160x160x96); 160x160x83-108: depths spread over 83..108",
+    )
+    parser.add_argument(
+        "--crop",
+        type=lambda t: _shape(t, "--crop"),
+        default=None,
+        help="RandCropByPosNegLabeld patch size (default: the tutorial's 96x96x64, shrunk to fit)",
+    )
+    parser.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3; --quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (default 2; --quick 1)")
     parser.add_argument(
@@ -770,6 +894,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also time and cProfile warm reads in this process")
     parser.add_argument("--out", default=default_out_dir(), help=f"results directory (default {default_out_dir()})")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--summarize", action="store_true", help="run nothing: report the runs under --out/runs (of a run cut short)"
+    )
     args = parser.parse_args(argv)
     if args.rank_spec:
         rank_main(args.rank_spec)
@@ -782,11 +909,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: without {UNCACHED} memory cannot be expressed above the uncached run", file=sys.stderr)
 
     t0 = time.perf_counter()
-    records = run_all(args, items, shape, epochs)  # type: ignore[arg-type]
+    records = load_runs(args.out) if args.summarize else run_all(args, items, shape, epochs)
     summary = summarize(records, items)
     copy_bytes = next((r["one_copy_bytes"] for r in records if r["config"] == BASELINE and r["one_copy_bytes"]), None)
     report = [
-        f"bench_cache: {items} volumes of {'x'.join(map(str, shape))}, {epochs} epochs, batch {args.batch_size}, "
+        f"bench_cache: {items} volumes of {shape_text(shape)}, {epochs} epochs, batch {args.batch_size}, "
+        f"crop {'x'.join(map(str, args.crop or crop_size_for(shape[:3])))}, "
+        f"{'persistent' if args.persistent_workers else 'per-epoch'} workers, "
         f"median of {args.repeats} repeat(s); one copy of the cached data = "
         + (f"{copy_bytes / _MIB:.0f} MiB" if copy_bytes else "n/a")
         + f"; ratios against {BASELINE} (MONAI CacheDataset) in the same run"
@@ -798,7 +927,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         md += [f"### {title}", "", format_setting(by_config, markdown=True), ""]
     report += ["", "CPU in deterministic transforms vs ranks (machine-wide)", format_fill_vs_ranks(summary, False)]
     md += ["### CPU in deterministic transforms vs ranks", "", format_fill_vs_ranks(summary, True), ""]
-    checks = check_targets(summary, items)
+    ratios = per_repeat_ratios(records)
+    for (ranks, workers), table in sorted(ratios.items()):
+        if table:
+            title = f"{ranks} rank(s) x {workers} workers: per-repeat ratios (same rotation), medians"
+            report += ["", title, format_ratios(table, markdown=False)]
+            md += [f"### {title}", "", format_ratios(table, markdown=True), ""]
+    checks = check_targets(summary, items) + check_ratio_targets(ratios)
     report += ["", "targets:"] + [f"  [{'ok' if ok else 'MISSED'}] {text}" for ok, text in checks]
     md += ["### Targets", ""] + [f"- {'ok' if ok else '**missed**'}: {text}" for ok, text in checks]
     sampler_cpu = sum(r.get("mem_sampler_cpu_s") or 0 for r in records)
@@ -806,7 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.append(f"\nmemory sampling took {sampler_cpu:.0f} CPU s in the launcher; total wall {wall:.0f} s")
     if args.profile:
         data_list = prepare_data(os.path.abspath(args.out), items, shape, args.seed)
-        prof = profile_warm_reads(data_list, crop_size_for(shape))
+        prof = profile_warm_reads(data_list, args.crop or crop_size_for(shape[:3]))
         report += ["", prof]
         md += ["### Warm reads", "", "```", prof, "```"]
     print("\n".join(report))

@@ -65,6 +65,10 @@ from monai_cache.utils import format_bytes, parse_bytes
 __all__ = ["SharedMemoryStore", "cache_root", "default_shm_dir", "list_caches", "remove_cache"]
 
 _MISSING = object()
+# A process gives back the heap a large item freed (runtime.release_freed_memory) only while the room left for the
+# cache is under this many times the item's size: about one item's intermediates stay in each process computing
+# items (up to 64 of them: ranks x DataLoader workers) until then.
+_TIGHT_ITEMS = 64
 _codec_module: Any = None
 
 
@@ -358,9 +362,14 @@ class SharedMemoryStore:
 
         enc = codec.encode(item, allow_pickle=self._allow_pickle)
         size = enc.nbytes
-        if size >= STANDALONE_MIN:
-            freed_large_item()  # computed, and freed once the caller is done with it
-        if not self._reserve_space(size):
+        fits = self._reserve_space(size)
+        if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
+            # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
+            # back before the next is computed (see runtime). Not otherwise: re-faulting the pages cost 7-13 % of a
+            # CT volume's compute (25-51 ms, 5,000-11,000 more page faults: benchmarks/fill_breakdown.py), and glibc
+            # reuses them anyway.
+            freed_large_item()
+        if not fits:
             return False
         # The data CRC costs a pass over every byte written (about 5 ms for a 19 MB volume): it is recorded only
         # by stores that check it on every read (verify=True); a published entry cannot be half written anyway.

@@ -317,6 +317,7 @@ class CacheDirectory:
         self._room_unchecked = 0  # bytes room_for() may let through before it asks statvfs again
         self._room_until = 0.0
         self.limiting = ""  # the limit room_for() last found too tight
+        self.room = 1 << 62  # the room room_for() last saw (stale by up to ROOM_RECHECK_BYTES); none seen yet: ample
         self._write_pos = 0
         register(self, exit_order=1)  # after the disk stores have flushed (a tier may read from here)
 
@@ -495,6 +496,7 @@ class CacheDirectory:
             self._room_unchecked = left
             return True
         room, self.limiting = self.space_left(reserve, memory)
+        self.room = room
         self._room_unchecked = max(0, min(room, ROOM_RECHECK_BYTES) - size)
         self._room_until = time.monotonic() + ROOM_RECHECK_SECONDS
         return room >= size

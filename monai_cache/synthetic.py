@@ -107,6 +107,7 @@ def make_dataset(
     shape: Sequence[int] = (160, 160, 96),
     seed: int = 0,
     progress: Callable[[int], Any] | None = None,
+    depths: Sequence[int] | None = None,
 ) -> list[dict[str, str]]:
     """Write (or reuse) ``items`` synthetic image/label pairs as ``.nii.gz`` under ``root``.
 
@@ -119,6 +120,8 @@ def make_dataset(
         shape: voxels per volume along x, y, z.
         seed: data set seed; the same seed gives the same files.
         progress: called with ``1`` after each pair is ready (e.g. ``tqdm.update``).
+        depths: voxels along z of each volume (one per item, in place of ``shape[2]``), as CT series of
+            different lengths; None: every volume is ``shape``.
 
     Returns:
         MONAI's data list: ``[{"image": path, "label": path}, ...]``.
@@ -127,8 +130,12 @@ def make_dataset(
 
     if items < 1:
         raise ValueError(f"items must be at least 1, got {items}")
+    if depths is not None and len(depths) != items:
+        raise ValueError(f"depths needs one size per item ({items}), got {len(depths)}")
     os.makedirs(root, exist_ok=True)
-    settings = {"format": _FORMAT, "shape": [int(s) for s in shape], "seed": int(seed)}
+    settings: dict[str, Any] = {"format": _FORMAT, "shape": [int(s) for s in shape], "seed": int(seed)}
+    if depths is not None:
+        settings["depths"] = [int(d) for d in depths]
     manifest_path = os.path.join(root, "manifest.json")
     done: set[str] = set()
     try:
@@ -142,7 +149,7 @@ def make_dataset(
     for i in range(items):
         pair = {"image": os.path.join(root, f"img_{i:04d}.nii.gz"), "label": os.path.join(root, f"lbl_{i:04d}.nii.gz")}
         if not (pair["image"] in done and all(os.path.exists(p) for p in pair.values())):
-            image, label, affine = synthetic_volume(i, shape, seed)
+            image, label, affine = synthetic_volume(i, shape if depths is None else (*shape[:2], depths[i]), seed)
             for key, arr in (("image", image), ("label", label)):
                 img = nib.Nifti1Image(arr, affine)
                 img.header.set_xyzt_units("mm", "sec")
