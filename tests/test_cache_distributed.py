@@ -12,7 +12,9 @@ import uuid
 from collections import Counter
 
 import pytest
-from helpers import free_port, read_calls
+from helpers import chain, free_port, read_calls
+
+import monai_cache
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "cache_rank.py")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -80,24 +82,23 @@ def test_two_gloo_ranks_compute_each_item_once_on_the_machine(volumes, two_ranks
 
 
 def test_second_independent_process_computes_nothing_the_first_cached(shm_dir, volumes, tmp_path):
+    """The first process is this one (it holds the cache meanwhile); the second a fresh interpreter."""
     log = str(tmp_path / "calls")
-    build = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {TESTS!r})
-        import monai_cache
-        from helpers import chain
-        ds = monai_cache.CacheDataset({volumes!r}, chain({log!r}), progress=False)
-        print(ds._cache.path, flush=True)
-        input()
-    """)
-    first = subprocess.Popen([sys.executable, "-c", build], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    path = first.stdout.readline().strip()
-    assert path, first.stderr.read()
-    second = subprocess.run([sys.executable, "-c", build], input="\n", capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stderr
-    assert second.stdout.strip() == path
-    first.communicate("\n", timeout=60)
+    first = monai_cache.CacheDataset(volumes, chain(log), progress=False)
+    try:
+        build = textwrap.dedent(f"""
+            import os, sys
+            sys.path.insert(0, {TESTS!r})
+            import monai_cache
+            from helpers import chain
+            ds = monai_cache.CacheDataset({volumes!r}, chain({log!r}), progress=False)
+            print(ds._cache.path, flush=True)
+        """)
+        second = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.strip() == first._cache.path
+    finally:
+        first.release()
     calls = read_calls(log)
-    assert {pid for pid, _ in calls} == {first.pid}  # the second process computed nothing
+    assert {pid for pid, _ in calls} == {os.getpid()}  # the second process computed nothing
     assert sorted(case for _, case in calls) == list(range(len(volumes)))
