@@ -115,9 +115,12 @@ class _Segment:
 def _open_proc_fd(pid: int, fd: int, ino: int) -> int:
     """Open process ``pid``'s descriptor ``fd`` through /proc, checking that it is still the file ``ino``."""
     mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    if os.fstat(mine).st_ino != ino:
+    try:  # BaseException: torch's SIGCHLD handler may raise here, in the main process, when a worker dies
+        if os.fstat(mine).st_ino != ino:
+            raise FileNotFoundError(f"descriptor {fd} of process {pid} is no longer the segment it was")
+    except BaseException:
         os.close(mine)
-        raise FileNotFoundError(f"descriptor {fd} of process {pid} is no longer the segment it was")
+        raise
     return mine
 
 
@@ -353,6 +356,16 @@ class _Held:
         self.fd = fd
         self.map = _map(fd, os.fstat(fd).st_size)
 
+    @classmethod
+    def open(cls, pid: int, fd: int, ino: int) -> _Held:
+        """Hold worker ``pid``'s segment; the descriptor is closed again if anything (a signal too) interrupts."""
+        mine = _open_proc_fd(pid, fd, ino)
+        try:
+            return cls(mine)
+        except BaseException:
+            os.close(mine)
+            raise
+
 
 _held: dict[int, _Held] = {}  # inode -> hold, for every segment this process has mapped and not given up
 
@@ -383,7 +396,7 @@ class _Attachment:
                 _drop(self.slots.pop(s))  # the worker gave it back
             held = _held.get(ino)
             if held is None:
-                held = _held[ino] = _Held(_open_proc_fd(self.pid, fd, ino))
+                held = _held[ino] = _Held.open(self.pid, fd, ino)
             elif len(held.map) < nbytes:  # the worker grew it
                 held.map = _Held(held.fd).map
             self.slots[slot] = ino
@@ -486,24 +499,40 @@ class _BlockIterator(_MultiProcessingDataLoaderIter):
         self._wrapped_collate = _BlockCollate(fn, os.getpid(), self._block_token, self._block_handed)
 
     def _shutdown_workers(self) -> None:
-        super()._shutdown_workers()
+        try:
+            super()._shutdown_workers()
+        finally:  # also when torch's shutdown raised (a worker's SIGCHLD may land in it)
+            if getattr(self, "_shutdown", False):  # not at interpreter exit, where torch does nothing either
+                self._give_back_segments()
+
+    def _give_back_segments(self) -> None:
+        """Once the workers are told to stop: segments of exited workers go to the pool, the others are dropped.
+
+        torch joins each worker for a while, then terminates those still alive without waiting for them: a
+        worker may still be alive here (a loaded machine). Its segments are not pooled (it might still write
+        into them) but dropped, never left held: the kernel frees them when it is gone.
+        """
+        handed, self._block_handed = getattr(self, "_block_handed", []), []
         workers = getattr(self, "_workers", [])
-        if not hasattr(self, "_block_handed") or any(w.is_alive() for w in workers):
-            return
+        exited = {w.pid for w in workers if not w.is_alive()}
         # handed segments in which no batch was seen are free (the worker may have written one that was lost)
-        entries: dict[int, tuple[int, mmap.mmap | None, int]] = {ino: (ino, None, 0) for _fd, ino in self._block_handed}
+        entries: dict[int, tuple[int, mmap.mmap | None, int]] = {}
         with _lock:
+            for i, (_fd, ino) in enumerate(handed):
+                if workers and workers[i % len(workers)].pid in exited:  # worker i got handed[i::num_workers]
+                    entries[ino] = (ino, None, 0)
+                else:
+                    _drop(ino)
             pids = {w.pid for w in workers}
             for key in [k for k in _attached if k[0] in pids]:
                 att = _attached.pop(key)
                 for slot, ino in att.slots.items():
                     state = att.control[slot]
-                    if state == _RETIRED:  # given back by the worker
+                    if state == _RETIRED or key[0] not in exited:  # given back by the worker, or it lives on
                         entries.pop(ino, None)
                         _drop(ino)
                     else:  # free, or free once the user lets go of its batch
                         entries[ino] = (ino, None if state == _FREE else att.control, slot)
-        self._block_handed = []
         self._block_pool.give(list(entries.values()), len(workers) * (self._prefetch_factor + 1))
 
 

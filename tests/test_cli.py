@@ -118,21 +118,23 @@ def test_ls_missing_shm_dir_exits_2(tmp_path):
 # ------------------------------------------------------------------------------------------- disk
 @pytest.fixture
 def disk_cache(tmp_path):
-    """A real PersistentDataset cache of 4 tiny items, written by a separate process (like training does)."""
+    """A real PersistentDataset cache of 4 tiny items, written by this process and let go of before the commands
+    run (as a finished training run leaves it; no interpreter of its own)."""
+    import gc
+
+    import numpy as np
+    from monai.transforms import Compose, ToTensord
+
+    from monai_cache import PersistentDataset
+
     cache_dir = tmp_path / "cache"
-    code = textwrap.dedent(
-        f"""
-        import numpy as np
-        from monai.transforms import Compose, ToTensord
-        from monai_cache import PersistentDataset
-        data = [{{"x": np.full((8, 8, 4), i, np.float32), "y": i}} for i in range(4)]
-        ds = PersistentDataset(data, Compose([ToTensord(keys=["x"])]), cache_dir={str(cache_dir)!r})
-        for i in range(len(ds)):
-            ds[i]
-        assert ds.flush(60)
-        """
-    )
-    subprocess.run([PY, "-c", code], check=True, timeout=120)
+    data = [{"x": np.full((8, 8, 4), i, np.float32), "y": i} for i in range(4)]
+    ds = PersistentDataset(data, Compose([ToTensord(keys=["x"])]), cache_dir=str(cache_dir))
+    for i in range(len(ds)):
+        ds[i]
+    assert ds.flush(60)
+    del ds
+    gc.collect()
     return cache_dir
 
 

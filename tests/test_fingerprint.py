@@ -17,7 +17,7 @@ import torch
 from monai.transforms import Compose, Lambdad, MapTransform
 
 import monai_cache
-from monai_cache.fingerprint import fingerprint
+from monai_cache.fingerprint import chain_fingerprint, fingerprint
 
 DATA = [{"x": torch.tensor(float(i))} for i in range(3)]
 
@@ -166,33 +166,11 @@ def test_data_that_is_not_a_list_is_fingerprinted_by_its_values(shm_dir):
     assert values(a) == [0.0, 1.0, 2.0] and values(b) == [10.0, 11.0, 12.0]
 
 
-FINGERPRINT_IN_A_NEW_PROCESS = """
-import sys
-sys.path.insert(0, {tests!r})
-from monai.transforms import Compose, Lambdad
-from monai_cache.fingerprint import chain_fingerprint
-KEYS = {{"image", "label", "mask", "weights", "extra"}}
-print(chain_fingerprint(Compose([Lambdad("x", lambda d: sorted(KEYS) and d * 2)])))
-"""
-
-
-def test_fingerprints_agree_between_processes_whatever_their_hash_seed():
-    """Ranks must find the same cache: sets (hash-ordered) and user code must not depend on the process."""
-    script = FINGERPRINT_IN_A_NEW_PROCESS.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    outs = {
-        subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
-            env={**os.environ, "PYTHONHASHSEED": str(seed)},
-        ).stdout
-        for seed in (0, 1)  # these two seeds order the set's strings differently
-    }
-    assert len(outs) == 1 and len(outs.pop().strip()) == 64
-
-
-TRAINING_SCRIPT = '''
+TRAINING_SCRIPT = """
 from monai.transforms import Compose, Lambdad, MapTransform
 
 SCALE = 2
+KEYS = {"image", "label", "mask", "weights", "extra"}  # a set: its order depends on the process's hash seed
 
 
 class Scale(MapTransform):
@@ -201,25 +179,54 @@ class Scale(MapTransform):
 
 
 def chain():
-    return Compose([Scale("x"), Lambdad("x", lambda v: v + SCALE)])
+    return Compose([Scale("x"), Lambdad("x", lambda v: sorted(KEYS) and v + SCALE)])
 
 
 if __name__ == "__main__":
     from monai_cache.fingerprint import chain_fingerprint
 
+    print(list(KEYS))
     print(chain_fingerprint(chain()))
-'''
+"""
 
 
-def test_the_same_code_run_as_a_script_or_imported_has_one_fingerprint(tmp_path):
-    """Ranks run the script as __main__; a tool that imports it must find the same cache."""
-    (tmp_path / "train_script.py").write_text(TRAINING_SCRIPT)
-    as_script = subprocess.run(
-        [sys.executable, "train_script.py"], cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120
-    ).stdout
-    imported = subprocess.run(
-        [sys.executable, "-c", "import train_script\nfrom monai_cache.fingerprint import chain_fingerprint\n"
-         "print(chain_fingerprint(train_script.chain()))"],
-        cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120,
-    ).stdout
-    assert as_script == imported and len(as_script.strip()) == 64
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> tuple[str, dict[int, list[str]]]:
+    """``python train_script.py`` run as ranks run it, twice at once, under two hash seeds. Returns the script's
+    directory and {hash seed: [the set's order, the fingerprint]}."""
+    work = tmp_path_factory.mktemp("script")
+    (work / "train_script.py").write_text(TRAINING_SCRIPT)
+    procs = {
+        seed: subprocess.Popen(
+            [sys.executable, "train_script.py"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        )
+        for seed in (0, 1)  # these two seeds order the set's strings differently (asserted below)
+    }  # fmt: skip
+    outs = {}
+    for seed, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs[seed] = out.strip().splitlines()
+    return str(work), outs
+
+
+def test_fingerprints_agree_between_processes_whatever_their_hash_seed(script_runs):
+    """Ranks must find the same cache: sets (hash-ordered) and user code must not depend on the process."""
+    _work, outs = script_runs
+    assert outs[0][0] != outs[1][0]  # the set came in two orders
+    assert outs[0][1] == outs[1][1] and len(outs[0][1]) == 64
+
+
+def test_the_same_code_run_as_a_script_or_imported_has_one_fingerprint(script_runs):
+    """Ranks run the script as __main__; a tool that imports it (this process) must find the same cache."""
+    work, outs = script_runs
+    sys.path.insert(0, work)
+    try:
+        import train_script  # type: ignore[import-not-found]
+
+        imported = chain_fingerprint(train_script.chain())
+    finally:
+        sys.path.remove(work)
+        sys.modules.pop("train_script", None)
+    assert imported == outs[0][1] and len(imported) == 64

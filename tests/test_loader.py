@@ -268,11 +268,14 @@ def test_batches_the_codec_cannot_store_take_torch_path_with_one_warning():
     assert sum(in_block(b) for b in kept) == 2 * MAX_SEGMENTS
 
 
-def run_sandboxed(mount: str, mode: str) -> dict:
-    """``loader_sandbox.py <mode>`` in a private mount namespace where ``mount`` (a ``mount`` command) ran first."""
+@pytest.fixture(scope="module")
+def sandboxed() -> dict:
+    """``loader_sandbox.py small-shm,no-proc`` in a private mount namespace with a 64 MB /dev/shm (Docker's default
+    --shm-size); the script hides /proc itself before the second case. One interpreter for both tests."""
     script = os.path.join(SCRIPTS, "loader_sandbox.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
-    cmd = ["unshare", "-m", "sh", "-c", f"{mount} && echo mounted && exec {sys.executable} {script} {mode}"]
+    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm"
+    cmd = ["unshare", "-m", "sh", "-c", f"{mount} && echo mounted && exec {sys.executable} {script} small-shm,no-proc"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     except FileNotFoundError:
@@ -283,14 +286,14 @@ def run_sandboxed(mount: str, mode: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_works_with_a_64mb_dev_shm_where_torch_path_fails():
+def test_works_with_a_64mb_dev_shm_where_torch_path_fails(sandboxed):
     """Docker's default --shm-size is 64 MB; memfd segments are not in /dev/shm."""
-    out = run_sandboxed("mount -t tmpfs -o size=64m tmpfs /dev/shm", "small-shm")
+    out = sandboxed["small-shm"]
     assert out["monai_cache.DataLoader"] == "ok"
     assert out["monai.data.DataLoader"] != "ok"  # torch's own path needs the space in /dev/shm
 
 
-def test_without_proc_batches_take_torch_path_with_one_warning():
-    out = run_sandboxed("mount -t tmpfs none /proc", "no-proc")
+def test_without_proc_batches_take_torch_path_with_one_warning(sandboxed):
+    out = sandboxed["no-proc"]
     assert out["sums"] == [1000.0, 5000.0]
     assert len(out["warnings"]) == 1 and "/proc/<pid>/fd cannot be used" in out["warnings"][0], out["warnings"]

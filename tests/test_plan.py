@@ -12,9 +12,8 @@ import os
 import pty
 import select
 import signal
-import subprocess
 import sys
-import textwrap
+import threading
 import time
 
 import monai.data
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
+from monai.transforms import Transform
 
 import monai_cache
 from monai_cache import cli
@@ -173,40 +173,29 @@ def test_plan_command_on_a_bundle_config_in_a_terminal(shm_dir, tmp_path):
     assert doc["memory_bytes"]["total"] > 1 << 20 and doc["machine"]["tmpfs_total"] == 1 << 20
 
 
-FILLER = textwrap.dedent(
-    """
-    import sys, time
-    import torch
-    from monai.transforms import Transform
-    import monai_cache
+class Slow(Transform):
+    """Deterministic, 1 MiB, a tenth of a second each."""
 
-    class Slow(Transform):  # deterministic, 1 MiB, a tenth of a second each
-        def __call__(self, i):
-            time.sleep(0.1)
-            return {"x": torch.full((1 << 18,), float(i))}
-
-    ds = monai_cache.CacheDataset(list(range(60)), Slow(), runtime_cache=True, progress=False)
-    print("filling", ds._store.key, flush=True)
-    for i in range(60):
-        ds[i]
-    print("filled", flush=True)
-    time.sleep(30)
-    """
-)
+    def __call__(self, i: int) -> dict:
+        time.sleep(0.1)
+        return {"x": torch.full((1 << 18,), float(i))}
 
 
 def test_top_shows_a_cache_filling_in_another_process(shm_dir, tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "MONAI_CACHE_SHM_DIR": shm_dir}
-    filler = subprocess.Popen([sys.executable, "-c", FILLER], env=env, stdout=subprocess.PIPE, text=True)
+    """``monai-cache top`` watches a cache that this process fills meanwhile (in a thread; top is the other
+    process): no interpreter of its own for the filler."""
+    ds = monai_cache.CacheDataset(list(range(60)), Slow(), runtime_cache=True, progress=False)
+    key, stop = ds._store.key, threading.Event()
+    filler = threading.Thread(target=lambda: [ds[i] for i in range(60) if not stop.is_set()], daemon=True)
+    filler.start()
     try:
-        line = filler.stdout.readline().split()
-        assert line[0] == "filling", line
-        key = line[1]
+        env = {**os.environ, "PYTHONPATH": REPO, "MONAI_CACHE_SHM_DIR": shm_dir}
         cmd = [sys.executable, "-m", "monai_cache", "top", "--interval", "0.5", "--shm-dir", shm_dir]
         status, out = run_in_pty(cmd, str(tmp_path), env, timeout=60, until=f"{key}", stop=3.0)
     finally:
-        filler.kill()
-        filler.wait()
+        stop.set()
+        filler.join()
+        ds.release()
     assert status == 0, out[-3000:]  # ^C ends it quietly
     assert "\x1b[2J" in out  # it redraws the terminal
     rows = [row.split() for row in out.replace("\x1b[H\x1b[2J", "\n").splitlines() if row.startswith(key)]

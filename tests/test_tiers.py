@@ -171,43 +171,59 @@ def test_sigkill_during_either_tiers_writes_leaves_nothing_a_reader_accepts_wron
     assert shm_directory.remove_cache(front["key"], force=True)
 
 
-@pytest.mark.parametrize("kind", ["cd", "pd"])
-def test_two_nodes_sharing_one_cache_dir_compute_each_item_once_in_total(volumes, tmp_path, kind):
-    """2 simulated machines x 2 processes, each with its own /dev/shm directory and machine identity, read every
-    item at once from one shared cache_dir: each item is computed once in all, every read is right."""
-    data_path, log, cache_dir = tmp_path / "data.json", str(tmp_path / "calls"), str(tmp_path / "shared")
+KINDS = ("cd", "pd")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(volumes, tmp_path_factory):
+    """2 simulated machines x 2 processes, each machine with its own /dev/shm directory and identity, read every
+    item at once from one shared cache_dir, first through CacheDataset ("cd"), then PersistentDataset ("pd"): one
+    interpreter per process serves both. Returns the work directory, {kind: each process's JSON line}, and the
+    node's shared-memory directories once every process has exited."""
+    work = tmp_path_factory.mktemp("two-nodes")
+    data_path = work / "data.json"
     data_path.write_text(json.dumps(volumes))
     procs, shm_dirs = [], []
-    for node in range(2):
-        shm = tmp_path / f"shm-node{node}"
-        shm_dir = f"/dev/shm/mc-tiers-{os.getpid()}-{node}-{kind}"
-        os.makedirs(shm_dir)
-        shm_dirs.append(shm_dir)
-        env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, MONAI_CACHE_NODE_ID=f"node{node}")
-        for rank in range(2):
-            seed = str(10 * node + rank)
-            procs.append(subprocess.Popen([sys.executable, NODE_SCRIPT, str(data_path), log, cache_dir, kind, seed],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        del shm
     try:
-        results = []
+        for node in range(2):
+            shm_dir = f"/dev/shm/mc-tiers-{os.getpid()}-{node}"
+            os.makedirs(shm_dir)
+            shm_dirs.append(shm_dir)
+            env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, MONAI_CACHE_NODE_ID=f"node{node}")
+            for rank in range(2):
+                seed = str(10 * node + rank)
+                argv = [sys.executable, NODE_SCRIPT, str(data_path), str(work), ",".join(KINDS), seed, "4"]
+                procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        calls = read_calls(log)
-        assert Counter(case for _, case in calls) == Counter(range(len(volumes))), calls  # once in all
-        reference = results[0]["sums"]
-        assert all(r["sums"] == reference for r in results)
-        # a node that did not compute an item read it from disk once, and its other process from its memory
-        assert sum(r["disk"]["hits"] for r in results) >= len(volumes)
-        packs = {n.split(".")[1] for n in os.listdir(cache_dir) if disk_format.is_pack_file(n)}
-        assert len(packs) <= 2  # the files of each machine carry its identity
-        for shm_dir in shm_dirs:  # each node's cache went with its last process
-            assert os.listdir(os.path.join(shm_dir, f"monai_cache-{os.getuid()}")) == [".lock"]
+            for line in out.strip().splitlines():
+                r = json.loads(line)
+                results[r["kind"]].append(r)
+        left = [os.listdir(os.path.join(d, f"monai_cache-{os.getuid()}")) for d in shm_dirs]
+        yield work, results, left
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for shm_dir in shm_dirs:
             subprocess.run(["rm", "-rf", shm_dir], check=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_nodes_sharing_one_cache_dir_compute_each_item_once_in_total(volumes, two_nodes, kind):
+    """2 simulated machines x 2 processes, each with its own /dev/shm directory and machine identity, read every
+    item at once from one shared cache_dir: each item is computed once in all, every read is right."""
+    work, all_results, left = two_nodes
+    results, cache_dir = all_results[kind], str(work / f"shared-{kind}")
+    assert len(results) == 4
+    calls = read_calls(str(work / f"calls-{kind}"))
+    assert Counter(case for _, case in calls) == Counter(range(len(volumes))), calls  # once in all
+    reference = results[0]["sums"]
+    assert all(r["sums"] == reference for r in results)
+    # a node that did not compute an item read it from disk once, and its other process from its memory
+    assert sum(r["disk"]["hits"] for r in results) >= len(volumes)
+    packs = {n.split(".")[1] for n in os.listdir(cache_dir) if disk_format.is_pack_file(n)}
+    assert len(packs) <= 2  # the files of each machine carry its identity
+    assert left == [[".lock"], [".lock"]]  # each node's caches (of both kinds) went with its last process

@@ -1,11 +1,17 @@
 """monai_cache.DataLoader in a restricted sandbox (a private mount namespace set up by the test).
 
-argv[1] == "small-shm": run under a 64 MB /dev/shm (Docker's default): batches of 2 x 40 MB through monai's and
-our DataLoader; prints ``{"monai.data.DataLoader": "ok" or the error, "monai_cache.DataLoader": ...}``.
-argv[1] == "no-proc": run with /proc hidden; prints ``{"sums": [...], "warnings": [monai_cache warnings]}``.
+argv[1]: the cases to run in turn, comma-separated (one interpreter, one MONAI import for all); prints one JSON line
+``{case: its result}``.
+
+"small-shm": run under a 64 MB /dev/shm (Docker's default, mounted by the test): batches of 2 x 40 MB through
+monai's and our DataLoader; ``{"monai.data.DataLoader": "ok" or the error, "monai_cache.DataLoader": ...}``.
+"no-proc": with /proc hidden (a tmpfs mounted over it here, in the test's private mount namespace, unless the test
+did); ``{"sums": [...], "warnings": [monai_cache warnings]}``.
 """
 
 import json
+import os
+import subprocess
 import sys
 import warnings
 
@@ -27,7 +33,7 @@ class Filled(torch.utils.data.Dataset):
         return {"image": torch.full((self.numel,), float(i))}
 
 
-def small_shm() -> None:
+def small_shm() -> dict:
     out = {}
     numel = 10 << 20  # 40 MiB of float32: a batch of 2 does not fit in 64 MB
     for name, loader_class in (
@@ -39,16 +45,19 @@ def small_shm() -> None:
             out[name] = "ok" if sums == [float(numel), float(5 * numel)] else f"wrong values {sums}"
         except Exception as e:  # what torch raises in the main process when /dev/shm is full
             out[name] = f"{type(e).__name__}: {e}"[:300]
-    print(json.dumps(out), flush=True)
+    return out
 
 
-def no_proc() -> None:
+def no_proc() -> dict:
+    if os.path.exists("/proc/self"):
+        subprocess.run(["mount", "-t", "tmpfs", "none", "/proc"], check=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sums = [float(b["image"].sum()) for b in DataLoader(Filled(1000), batch_size=2, num_workers=2)]
     ours = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
-    print(json.dumps({"sums": sums, "warnings": ours}))
+    return {"sums": sums, "warnings": ours}
 
 
 if __name__ == "__main__":
-    {"small-shm": small_shm, "no-proc": no_proc}[sys.argv[1]]()
+    cases = {"small-shm": small_shm, "no-proc": no_proc}
+    print(json.dumps({case: cases[case]() for case in sys.argv[1].split(",")}), flush=True)
