@@ -129,6 +129,24 @@ def _user_code(kind: str, *parts: Any) -> None:  # pragma: no cover - named in p
     """Stands for a function or class taken by value in a fingerprint pickle."""
 
 
+def _tensor_value(kind: str, dtype: str, shape: tuple, raw: bytes, extra: Any) -> None:  # pragma: no cover
+    """Stands for a tensor in a fingerprint pickle: its values, not ``torch.save``'s archive (which a tensor's own
+    pickle goes through, and which carries a random serialization id)."""
+
+
+def _tensor_parts(obj: Any) -> tuple | None:
+    """``_tensor_value``'s arguments for a torch tensor (a MetaTensor with its metadata), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or obj.layout != torch.strided:
+        return None
+    values = obj.detach().cpu().contiguous()
+    raw = values.reshape(-1).view(torch.uint8).numpy().tobytes()  # any dtype, bfloat16 included
+    extra = None
+    if type(obj) is not torch.Tensor:  # MetaTensor: what MONAI's transforms read besides the values
+        extra = (getattr(obj, "meta", None), getattr(obj, "applied_operations", None))
+    return type(obj).__qualname__, str(values.dtype), tuple(values.shape), raw, extra
+
+
 def _describe(obj: Any, depth: int = 0) -> str:
     """A process-independent description of an object that cannot be pickled (e.g. holds a lambda)."""
     if depth > 6:
@@ -190,6 +208,9 @@ class _SettingsPickler(pickle.Pickler):
                 return _user_code, ("function", _dumps_nested(self, _function_parts(obj)))
             finally:
                 self._in_progress.discard(id(obj))
+        tensor = _tensor_parts(obj)
+        if tensor is not None:
+            return _tensor_value, tensor
         skip = frozenset().union(*(_VOLATILE_ATTRIBUTES.get(base.__name__, ()) for base in type(obj).__mro__))
         if skip and hasattr(obj, "__dict__"):
             state = {k: v for k, v in vars(obj).items() if k not in skip}

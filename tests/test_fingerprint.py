@@ -182,11 +182,19 @@ def chain():
     return Compose([Scale("x"), Lambdad("x", lambda v: sorted(KEYS) and v + SCALE)])
 
 
+def data():  # tensors in the data list: a tensor's own pickle goes through torch.save (a random id in its archive)
+    import torch
+    from monai.data import MetaTensor
+
+    return [{"x": torch.arange(6.0).reshape(2, 3), "y": MetaTensor(torch.ones(2), meta={"spacing": 1.5})}]
+
+
 if __name__ == "__main__":
-    from monai_cache.fingerprint import chain_fingerprint
+    from monai_cache.fingerprint import chain_fingerprint, fingerprint
 
     print(list(KEYS))
     print(chain_fingerprint(chain()))
+    print(fingerprint(data()))
 """
 
 
@@ -226,7 +234,13 @@ def test_the_same_code_run_as_a_script_or_imported_has_one_fingerprint(script_ru
         import train_script  # type: ignore[import-not-found]
 
         imported = chain_fingerprint(train_script.chain())
+        data = train_script.data()
     finally:
         sys.path.remove(work)
         sys.modules.pop("train_script", None)
     assert imported == outs[0][1] and len(imported) == 64
+    # data holding tensors: one cache for every rank, and for the next run
+    assert outs[0][2] == outs[1][2] == fingerprint(data)
+    assert fingerprint([{**data[0], "x": data[0]["x"] + 1}]) != fingerprint(data)
+    other_meta = type(data[0]["y"])(data[0]["y"].as_tensor(), meta={"spacing": 2.0})
+    assert fingerprint([{**data[0], "y": other_meta}]) != fingerprint(data)
