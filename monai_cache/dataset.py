@@ -25,7 +25,13 @@ from monai.transforms import Compose
 from monai_cache import __version__, codec
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
-from monai_cache.fingerprint import chain_fingerprint, fingerprint, first_random_index, library_versions
+from monai_cache.fingerprint import (
+    chain_fingerprint,
+    fingerprint,
+    first_random_index,
+    library_versions,
+    relative_paths_base,
+)
 from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
@@ -344,6 +350,7 @@ class CacheDataset(_MonaiCacheDataset):
             codec.FORMAT_VERSION,
             library_versions(),
             fingerprint(self.data),
+            relative_paths_base(self.data),  # relative paths read other files in another directory
             chain_fingerprint(self.transform),
             self.cache_num,
             self.hash_as_key,

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
 import re
 import sys
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from monai.transforms import Compose, RandomizableTrait, Transform
@@ -276,6 +277,32 @@ def library_versions() -> tuple[str, str]:
     import torch
 
     return str(monai.__version__), str(torch.__version__).split("+")[0]
+
+
+def relative_paths_base(data: Any) -> str | None:
+    """The working directory if ``data`` names an existing file or directory by a relative path, else None.
+
+    A node-wide cache is found by its data's fingerprint: two jobs started in different directories with the same
+    relative paths (``ct/img_0000.nii.gz``) read different files, so the directory they resolve against is part of
+    what the cache holds. Looks at the strings of the items (and of their dicts, lists and tuples) up to the first
+    relative path that exists.
+
+    Args:
+        data: a dataset's data (a sequence of items).
+    """
+
+    def strings(obj: Any, depth: int) -> Iterator[str]:
+        if isinstance(obj, str):
+            yield obj
+        elif depth and isinstance(obj, dict):
+            for value in obj.values():
+                yield from strings(value, depth - 1)
+        elif depth and isinstance(obj, (list, tuple)):
+            for value in obj:
+                yield from strings(value, depth - 1)
+
+    found = any(s and not os.path.isabs(s) and os.path.exists(s) for s in strings(data, 3))
+    return os.getcwd() if found else None
 
 
 def fingerprint(*parts: Any) -> str:

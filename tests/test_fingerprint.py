@@ -17,7 +17,7 @@ import torch
 from monai.transforms import Compose, Lambdad, MapTransform
 
 import monai_cache
-from monai_cache.fingerprint import chain_fingerprint, fingerprint
+from monai_cache.fingerprint import chain_fingerprint, fingerprint, relative_paths_base
 
 DATA = [{"x": torch.tensor(float(i))} for i in range(3)]
 
@@ -244,3 +244,22 @@ def test_the_same_code_run_as_a_script_or_imported_has_one_fingerprint(script_ru
     assert fingerprint([{**data[0], "x": data[0]["x"] + 1}]) != fingerprint(data)
     other_meta = type(data[0]["y"])(data[0]["y"].as_tensor(), meta={"spacing": 2.0})
     assert fingerprint([{**data[0], "y": other_meta}]) != fingerprint(data)
+
+
+def test_relative_paths_resolved_in_another_directory_get_their_own_cache(tmp_path, monkeypatch, shm_dir):
+    """Two jobs started in two directories with the same relative paths read different files: one cache each.
+    Absolute paths, or strings that name no file, keep one cache wherever the job starts."""
+    for sub in ("a", "b"):
+        (tmp_path / sub / "ct").mkdir(parents=True)
+        (tmp_path / sub / "ct" / "img.nii.gz").write_bytes(sub.encode())
+    relative = [{"image": "ct/img.nii.gz", "label": 1}]
+    absolute = [{"image": str(tmp_path / "a" / "ct" / "img.nii.gz")}]
+    names = {}
+    for sub in ("a", "b"):
+        monkeypatch.chdir(tmp_path / sub)
+        assert relative_paths_base(relative) == str(tmp_path / sub)
+        assert relative_paths_base(absolute) is None and relative_paths_base([{"image": "no/such/file"}]) is None
+        names[sub] = [monai_cache.CacheDataset(d, transform=None, runtime_cache=True, progress=False)._fingerprint()
+                      for d in (relative, absolute)]  # fmt: skip
+    assert names["a"][0] != names["b"][0]
+    assert names["a"][1] == names["b"][1]
