@@ -39,6 +39,7 @@ from typing import Any
 
 from monai.transforms import Transform
 
+from monai_cache.keeper import wait_for_keepers
 from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transforms
 from monai_cache.utils import format_table as render_table
 
@@ -230,6 +231,8 @@ def _run_config(config: str, job: dict[str, Any], ranks: int, out: str) -> dict[
                 agent.terminate()
                 agent.wait()
     finally:
+        # the node's keeper removes the cache a moment after the agent exits: let it finish before the directory goes
+        wait_for_keepers(shm_dir)
         shutil.rmtree(shm_dir, ignore_errors=True)
     if agent.returncode != 0:
         raise RuntimeError(f"{config}: torchrun exited with status {agent.returncode} (the ranks' errors are above)")

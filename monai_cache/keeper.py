@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent"]
+__all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent", "wait_for_keepers"]
 
 ENV_AGENT = "MONAI_CACHE_AGENT"
 ENV_KEEP_ALIVE = "MONAI_CACHE_KEEP_ALIVE"
@@ -106,8 +106,34 @@ def _mark(path: str, anchor: int) -> str:
 
 def running(path: str, anchor: int) -> bool:
     """Whether a keeper of the cache at ``path`` for ``anchor`` (an agent's pid; 0: keep_alive) is alive."""
+    return _held(_mark(path, anchor))
+
+
+def wait_for_keepers(directory: str, timeout: float = 30.0) -> bool:
+    """Wait until no keeper works on a cache under ``directory`` (a shared-memory directory); True if none is left.
+
+    A keeper removes its cache a moment after torchrun's agent exits: a launcher that removes ``directory`` itself
+    right after the job (the demo) waits for it first, or the keeper could find the directory half gone.
+
+    Args:
+        directory: searched recursively for keepers' marks.
+        timeout: seconds to wait at most.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        marks = [os.path.join(d, name) for d, _dirs, names in os.walk(directory) for name in names
+                 if name.startswith("keeper.")]  # fmt: skip
+        if not any(_held(mark) for mark in marks):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _held(mark: str) -> bool:
+    """Whether a live keeper holds the lock on its mark file."""
     try:
-        fd = os.open(_mark(path, anchor), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(mark, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return False
     try:

@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 from helpers import read_calls
 
+from monai_cache.keeper import wait_for_keepers
 from monai_cache.shm import list_caches
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
@@ -30,15 +31,18 @@ def launcher(ours: bool) -> list[str]:
     return [sys.executable, "-m", "monai_cache", "run", "--", *TORCHRUN, SCRIPT] if ours else [*TORCHRUN, SCRIPT]
 
 
-def ranks_of(proc: subprocess.Popen) -> dict[int, dict]:
+def ranks_of(proc: subprocess.Popen, log_path: str) -> dict[int, dict]:
     try:
-        out, err = proc.communicate(timeout=300)
+        _out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
     assert proc.returncode == 0, err[-4000:]
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {r["rank"]: {**r, "stderr": err} for r in lines}
+    ranks = {}
+    for rank in (0, 1):
+        with open(f"{log_path}.rank{rank}.json") as f:
+            ranks[rank] = {**json.load(f), "stderr": err}
+    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def runs(tmp_path_factory, volumes):
         for name in ("ours", "stock")
     }
     try:
-        results = {name: ranks_of(proc) for name, proc in procs.items()}
+        results = {name: ranks_of(proc, logs[name]) for name, proc in procs.items()}
+        assert wait_for_keepers(shm)  # the node's keeper removes the cache a moment after torchrun's agent exits
         yield {**results, "calls": {k: read_calls(v) for k, v in logs.items()}, "n": len(volumes), "shm": shm}
     finally:
         for proc in procs.values():

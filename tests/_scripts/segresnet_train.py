@@ -3,7 +3,8 @@
 ``copy_cache=False``, DataLoader workers kept across epochs. Run under ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
 It imports MONAI's ``CacheDataset``: the test starts it with or without the switch that makes that name ours.
-argv: data.json log_path epochs. Prints one JSON line per rank: the losses, what the Manager's list holds, and (when
+argv: data.json log_path epochs. Writes ``log_path.rank<N>.json`` per rank (the ranks share torchrun's stdout, where
+two long lines can interleave): the losses, what the Manager's list holds, and (when
 the dataset has it) ``cache_stats()`` read in this rank's main process after the last epoch.
 """
 
@@ -88,7 +89,8 @@ def main() -> None:
     stats = train_ds.cache_stats()["total"] if hasattr(train_ds, "cache_stats") else None
     held = sum(item is not None for item in runtime_cache)  # what the Manager's server process holds
     dist.barrier()  # rank 0's Manager stays up until every rank has read its list
-    print(json.dumps({"rank": rank, "losses": losses, "manager_items": held, "stats": stats}), flush=True)
+    with open(f"{log_path}.rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "losses": losses, "manager_items": held, "stats": stats}, f)
     dist.destroy_process_group()
 
 

@@ -316,7 +316,7 @@ def _worker_death(e: BaseException, it: Any = None) -> bool:
 
     A killed process closes its sockets before it becomes a zombie, so the hand-over can fail (for instance
     with multiprocessing's plain ``OSError("got end of file during message")``) a moment before the worker
-    shows as dead: that is waited for, up to 2 s."""
+    shows as dead: that is waited for, up to 15 s."""
     if (isinstance(e, RuntimeError) and "DataLoader worker" in str(e)) or isinstance(
         e, (ConnectionError, EOFError, multiprocessing.AuthenticationError)
     ):
@@ -326,7 +326,7 @@ def _worker_death(e: BaseException, it: Any = None) -> bool:
     if not in_handover:
         return False
     workers = getattr(it, "_workers", None) or []
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 15.0  # a hang guard: on a loaded machine the kill can take a while to show
     while not any(not w.is_alive() for w in workers):
         if time.monotonic() > deadline:
             return False
