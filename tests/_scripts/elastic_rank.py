@@ -17,11 +17,11 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from monai.transforms import Lambdad
+from restart_rank import init_process_group  # this directory is on sys.path: the script's own
 
 import monai_cache
 from monai_cache import ShardedDistributedSampler
@@ -40,16 +40,7 @@ def slow_chain(i: int) -> torch.Tensor:
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0,
-        timeout=timedelta(seconds=120),
-    )
-    # a key prefix per attempt: restarted ranks must not read the old attempt's addresses (docs/distributed.md)
-    prefixed = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    init_process_group(rank, world)  # a store key prefix per attempt (restart_rank.py says why)
     ds = monai_cache.CacheDataset(
         [{"img": i} for i in range(N_ITEMS)], Lambdad("img", slow_chain), runtime_cache=True, progress=False
     )
