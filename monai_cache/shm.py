@@ -352,24 +352,39 @@ class SharedMemoryStore:
                  CorruptEntryWarning)
 
     # -- writes --
-    def _write(self, i: int, item: Any) -> bool:
+    def _write(self, i: int, item: Any, miss: bool = False) -> bool:
         """Publish entry ``i`` (caller holds its lock); False, with one warning per cache, if it does not fit.
+
+        Args:
+            i: the entry.
+            item: its value.
+            miss: count a miss in the shared counters too (the caller counted it in this process's own).
 
         Raises:
             UnsupportedValueError: the item holds a value the codec cannot store.
         """
         from monai_cache import codec
 
-        enc = codec.encode(item, allow_pickle=self._allow_pickle)
+        try:
+            enc = codec.encode(item, allow_pickle=self._allow_pickle)
+        except BaseException:
+            if miss:
+                self._dir.counters.add({"misses": 1})
+            raise
         size = enc.nbytes
-        fits = self._reserve_space(size)
+        # The write's counts go into the shared counters with the space it reserves, in one update (each update
+        # is a lock and its release: three of them were a quarter of a small item's miss path); they are taken
+        # back if the entry is not published.
+        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item),
+                "entries": 1}
+        entries = self._reserve_space(size, done, misses=int(miss))
         if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
             # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
             # back before the next is computed (see runtime). Not otherwise: re-faulting the pages cost 7-13 % of a
             # CT volume's compute (25-51 ms, 5,000-11,000 more page faults: benchmarks/fill_breakdown.py), and glibc
             # reuses them anyway.
             freed_large_item()
-        if not fits:
+        if not entries:
             return False
         # The data CRC costs a pass over every byte written (about 5 ms for a 19 MB volume): it is recorded only
         # by stores that check it on every read (verify=True); a published entry cannot be half written anyway.
@@ -384,8 +399,8 @@ class SharedMemoryStore:
             identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
             self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(identity, i)))
         except OSError as e:
-            self._dir.counters.add({"bytes": -size})
-            self._count(skipped=1)
+            self._dir.counters.add({"bytes": -size, "skipped": 1, **{k: -d for k, d in done.items()}})
+            self._counts["skipped"] += 1
             if e.errno in _NO_SPACE:
                 self._warn_full(size, str(e))
             elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
@@ -393,25 +408,26 @@ class SharedMemoryStore:
                 warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached",
                      CacheUnavailableWarning)
             return False
-        # one update of the shared counters for the whole write (each costs a lock and its release)
-        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item)}
+        counts = self._counts
         for k, d in done.items():
-            self._counts[k] += d
-        entries = self._dir.counters.add({**done, "entries": 1})["entries"]
+            if k != "entries":
+                counts[k] += d
         if entries & (entries - 1) == 0 and entries >= min(4, self._length):  # 4, 8, 16, ...: see _check_projection
             self._check_projection()
         return True
 
     def _write_computed(self, i: int, item: Any) -> bool:
-        """:meth:`_write` for an item a dataset computed: one that the codec cannot store is not an error.
+        """:meth:`_write` of a miss: an item a dataset computed (counted as a miss here; one that the codec cannot
+        store is not an error).
 
         As in the disk store, the item is served uncached from then on (this process does not try to store
         it again) and one warning per cache names it, its key path and what to do.
         """
         from monai_cache import codec
 
+        self._counts["misses"] += 1
         try:
-            return self._write(i, item)
+            return self._write(i, item, miss=True)
         except codec.UnsupportedValueError as e:
             self._unsupported.add(i)
             self._count(skipped=1, unsupported=1)
@@ -420,16 +436,20 @@ class SharedMemoryStore:
                      stacklevel=5)
             return False
 
-    def _reserve_space(self, size: int) -> bool:
-        used = self._dir.counters.add({"bytes": size})["bytes"]
+    def _reserve_space(self, size: int, done: dict[str, int], misses: int) -> int:
+        """Reserve ``size`` bytes of the cache's budget, adding ``done`` (the write's counts) and ``misses`` to the
+        shared counters in the same update; returns the entries counted then, or 0 (nothing reserved, ``done``
+        not added) if the entry does not fit."""
+        new = self._dir.counters.add({"bytes": size, "misses": misses, **done})
+        used = new["bytes"]
         over_budget = self._budget is not None and used > self._budget
         # with no budget, the memory the machine has is the budget: the tmpfs, the memory cgroup, MemAvailable
         if over_budget or not self._dir.room_for(size, self._reserve, memory=self._budget is None):
-            self._dir.counters.add({"bytes": -size})
-            self._count(skipped=1)
+            self._dir.counters.add({"bytes": -size, "skipped": 1, **{k: -d for k, d in done.items()}})
+            self._counts["skipped"] += 1
             self._warn_full(size, "shm_budget reached" if over_budget else f"no room left by {self._dir.limiting}")
-            return False
-        return True
+            return 0
+        return new["entries"]
 
     def _machine_summary(self, machine: MachineMemory) -> str:
         """What the machine offers, in words, for the warnings."""
@@ -535,7 +555,6 @@ class SharedMemoryStore:
             item = self._read(i)  # someone may have published it while we waited
             if item is not _MISSING:
                 return item
-            self._count(misses=1)
             release_freed_memory()  # the last large item this process computed, freed since: see runtime
             value = compute()
             computed.append(value)
@@ -564,7 +583,6 @@ class SharedMemoryStore:
             return False
         try:
             if not self.contains(i):
-                self._count(misses=1)
                 release_freed_memory()
                 self._write_computed(i, compute())
         finally:
