@@ -251,7 +251,9 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
             s[i] = {"x": torch.full((1_000_000,), float(i)), "i": i}
     """
     killed_mid_write = 0
-    for _ in range(5):
+    for trial in range(20):  # 5 kills, more until one lands mid-write (how often depends on the machine's load)
+        if trial >= 5 and killed_mid_write:
+            break
         p = spawn(writer)
         assert p.stdout.readline().strip() == "ready"
         time.sleep(float(rng.uniform(0.05, 0.3)))
@@ -267,8 +269,7 @@ def test_sigkill_during_writes_leaves_nothing_readable_half_written(shm_dir):
                 assert got["i"] == i and got["x"].shape == (1_000_000,) and bool((got["x"] == i).all())
         store.release()
     assert remove_cache("killed", force=True)
-    # (most trials catch a write in flight; the check above is what matters)
-    assert killed_mid_write >= 1
+    assert killed_mid_write >= 1  # the kills did land while an entry was being written
 
 
 def entry_location(store: SharedMemoryStore, i: int) -> tuple[str, int, int]:
