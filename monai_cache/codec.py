@@ -146,6 +146,7 @@ class Encoded:
     borrowed: list[bool] = field(default_factory=list)  # per buffer: a view of the item's own memory
     keepalive: list[Any] = field(default_factory=list)  # what the buffers point into (contiguous copies, casts)
     _data_crc: int | None = None
+    _prefixes: dict[bool, bytes] = field(default_factory=dict)  # by data_crc: a writer asks twice (data, identity)
 
     def detach(self) -> Encoded:
         """This encoding, sharing no memory with the encoded item: buffers that are views of the item's
@@ -169,16 +170,22 @@ class Encoded:
                 whole blob itself (a disk entry) passes False: the prefix then says that no data CRC is
                 recorded, and ``decode(verify=True)`` has nothing to check.
         """
+        made = self._prefixes.get(data_crc)
+        if made is not None:
+            return made
         if not data_crc:
-            return _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_NO_DATA_CRC, len(self.header), self.nbytes,
+            made = _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_NO_DATA_CRC, len(self.header), self.nbytes,
                                 zlib.crc32(self.header), 0)
-        if self._data_crc is None:
-            crc = 0
-            for buf in self.buffers:
-                crc = zlib.crc32(buf, crc)
-            self._data_crc = crc
-        return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(self.header), self.nbytes, zlib.crc32(self.header),
-                            self._data_crc)
+        else:
+            if self._data_crc is None:
+                crc = 0
+                for buf in self.buffers:
+                    crc = zlib.crc32(buf, crc)
+                self._data_crc = crc
+            made = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(self.header), self.nbytes, zlib.crc32(self.header),
+                                self._data_crc)
+        self._prefixes[data_crc] = made
+        return made
 
     def chunks(self, data_crc: bool = True) -> Iterator[memoryview | bytes]:
         """Yield the blob as consecutive pieces (padding included), for ``os.writev`` or a stream.

@@ -564,7 +564,8 @@ class CacheDataset(_MonaiCacheDataset):
                 data = store[cache_index]  # a hit costs one read; what a miss needs is worked out on a miss
                 if data is None:
                     data = store.get_or_compute(
-                        cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index)
+                        cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index),
+                        missing=True,
                     )
                 private = not self._process_tier.offer(cache_index, data)
         else:

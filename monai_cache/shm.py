@@ -363,8 +363,7 @@ class SharedMemoryStore:
         Raises:
             UnsupportedValueError: the item holds a value the codec cannot store.
         """
-        from monai_cache import codec
-
+        codec = _codec()
         try:
             enc = codec.encode(item, allow_pickle=self._allow_pickle)
         except BaseException:
@@ -423,8 +422,7 @@ class SharedMemoryStore:
         As in the disk store, the item is served uncached from then on (this process does not try to store
         it again) and one warning per cache names it, its key path and what to do.
         """
-        from monai_cache import codec
-
+        codec = _codec()
         self._counts["misses"] += 1
         try:
             return self._write(i, item, miss=True)
@@ -513,7 +511,9 @@ class SharedMemoryStore:
             stacklevel=5,
         )
 
-    def get_or_compute(self, index: int, compute: Callable[[], Any], reuse_computed: bool = False) -> Any:
+    def get_or_compute(
+        self, index: int, compute: Callable[[], Any], reuse_computed: bool = False, missing: bool = False
+    ) -> Any:
         """Return entry ``index``, computing and publishing it if missing; computed once across processes.
 
         Args:
@@ -523,6 +523,8 @@ class SharedMemoryStore:
                 decoded view of what was written (the same values: the codec is exact). Saves a read and, for
                 a large entry, the page faults of mapping it; only for callers whose computed objects share no
                 mutable memory with anything else, since the caller may change what it gets.
+            missing: the caller has just read the entry and found it missing: the first look (taken without
+                the entry's lock) is skipped; the look under the lock is not.
 
         Returns:
             the item: decoded from shared memory when it could be published (or, with ``reuse_computed``, the
@@ -535,7 +537,7 @@ class SharedMemoryStore:
             return compute()
         computed: list[Any] = []
         try:
-            return self._get_or_compute(i, compute, computed, reuse_computed)
+            return self._get_or_compute(i, compute, computed, reuse_computed, missing)
         except FileNotFoundError:
             if not self._cache_removed():
                 raise  # not ours (e.g. the transforms' input file is missing)
@@ -544,10 +546,13 @@ class SharedMemoryStore:
             self._counts["misses"] += 1
             return compute()
 
-    def _get_or_compute(self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool) -> Any:
-        item = self._read(i)
-        if item is not _MISSING:
-            return item
+    def _get_or_compute(
+        self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool, missing: bool
+    ) -> Any:
+        if not missing:
+            item = self._read(i)
+            if item is not _MISSING:
+                return item
         if self._cache_removed():  # removed (and perhaps made anew) under us: our files are not its files
             self._counts["misses"] += 1
             return compute()
