@@ -72,7 +72,9 @@ class Tally:
         self.figures["checks"] += 1
         if not ok:
             self.figures["failures"] += 1
-            self.problems.append(str(problem)[:2000])
+            text = str(problem)
+            # keep the start and the end of a long problem: a traceback's last line names the exception
+            self.problems.append(text if len(text) <= 2000 else text[:500] + " ... " + text[-1500:])
         return bool(ok)
 
     @contextlib.contextmanager
@@ -346,6 +348,51 @@ def _shutdown(it: Any) -> None:
                 raise
 
 
+def stacks(pid: int) -> str:
+    """The Python stacks of ``pid`` and its children (``py-spy dump``), for the report of a process that hangs;
+    a line saying why not where py-spy is missing or refused."""
+    out = []
+    for p in [pid, *(c for c in _children_of(pid))]:
+        try:
+            r = subprocess.run(["py-spy", "dump", "--pid", str(p)], capture_output=True, text=True, timeout=30)
+            out.append(f"--- pid {p}:\n{r.stdout or r.stderr}")
+        except (OSError, subprocess.SubprocessError) as e:
+            out.append(f"--- pid {p}: no stack ({e})")
+    return "\n".join(out)
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+class _ReportDeathsWhileLoading:
+    """Let torch's SIGCHLD handler raise only while the rank is reading batches.
+
+    torch's handler raises the dead worker's ``RuntimeError`` from whatever Python line runs when the signal comes.
+    A killed worker's sockets close before it becomes a zombie, so a batch's hand-over often fails first (a
+    connection reset) and the signal then lands in the rank's recovery, which it would break (seen once in 40
+    runs under load). Outside the reading the death is already known; inside it, torch reports it as ever."""
+
+    def __init__(self) -> None:
+        self.loading = False
+        self._torch_handler: Any = None
+
+    def wrap(self) -> None:
+        """Call once torch has installed its handler (at the first iterator with workers)."""
+        current = signal.getsignal(signal.SIGCHLD)
+        if self._torch_handler is None and callable(current):
+            self._torch_handler = current
+            signal.signal(signal.SIGCHLD, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.loading:
+            self._torch_handler(signum, frame)
+
+
 def _rank_main(build: Any, wfd: int, seed: int, persistent: bool, batch_size: int, sizes: Any) -> None:
     """Body of a forked rank (see :class:`Rank`)."""
     os.setpgid(0, 0)
@@ -364,13 +411,16 @@ def _rank_main(build: Any, wfd: int, seed: int, persistent: bool, batch_size: in
         g = torch.Generator().manual_seed(seed)
         loader = None
         epoch = 0
+        deaths = _ReportDeathsWhileLoading()
         while True:
             if loader is None:
                 loader = DataLoader(ds, batch_size=batch_size, shuffle=True, generator=g, num_workers=2,
                                     persistent_workers=persistent)
             it = None
             try:
+                deaths.loading = True
                 it = iter(loader)
+                deaths.wrap()
                 say("P " + " ".join(str(w.pid) for w in it._workers))
                 checked = 0
                 for batch in it:
@@ -379,9 +429,11 @@ def _rank_main(build: Any, wfd: int, seed: int, persistent: bool, batch_size: in
                         say(f"F {problem}")
                         os._exit(3)
                     checked += len(batch["i"])
+                deaths.loading = False
                 epoch += 1
                 say(f"E {epoch} {checked}")
             except Exception as e:
+                deaths.loading = False
                 if not _worker_death(e, it):
                     raise
                 _shutdown(it)

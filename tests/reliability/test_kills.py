@@ -47,6 +47,7 @@ from ._harness import (
     join_or_kill,
     kill_child_of,
     make_item,
+    stacks,
     start_rank,
     temp_files,
     tree_bytes,
@@ -283,8 +284,13 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
 
     def progress(rank, epochs: int, when: str) -> bool:
         ok = rank.wait_epochs(epochs, PROGRESS_TIMEOUT)
-        t.add("hangs", not ok and not rank.failures)  # no wrong item, no error: it is stuck
-        return t.check(ok, f"{rank.name} made no progress {when}: {rank.failures}")
+        stuck = not ok and not rank.failures  # no wrong item, no error: it is stuck
+        t.add("hangs", stuck)
+        if stuck:  # where: printed in full (the problem list keeps the start and the end)
+            where = stacks(rank.pid)
+            print(f"{rank.name} made no progress {when}; its stacks:\n{where}", flush=True)
+        problem = f"{rank.name} made no progress {when}: {rank.failures}"
+        return t.check(ok, problem + (f"; stacks: {where}" if stuck else ""))
 
     ranks = [new_rank(0), new_rank(1)]
     finished = []  # ranks killed whole: their counts
