@@ -22,7 +22,11 @@ Parts:
   entry and touch every voxel; a miss returns the computed object instead), ``deepcopy`` (MONAI's ``copy_cache``).
 
 Then the same for many small items (``--small``, default 2,000: ``bench_scale.py``'s 64x64 float32 images of 16 KiB,
-packed into shared segments): making one, the store's miss path, and a hit. In microseconds per item.
+packed into shared segments), in microseconds per item: making one, the random part of a read (``RandFlipd``), the
+store's miss path alone (the same code again and again) and as a worker runs it (each miss followed by the flip, the
+two timed apart), the floor of any cache that publishes each entry to other processes (its system calls with no
+Python around them: lock the entry, write its bytes into fresh tmpfs pages, write its index slot, unlock) followed
+by the flip in the same way, and a hit.
 
 Usage::
 
@@ -42,6 +46,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +58,7 @@ import torch  # noqa: E402
 from monai.transforms import Compose  # noqa: E402
 
 from monai_cache import codec  # noqa: E402
+from monai_cache.runtime import ofd_lock, ofd_unlock  # noqa: E402
 from monai_cache.shm import SharedMemoryStore  # noqa: E402
 from monai_cache.synthetic import tutorial_transforms  # noqa: E402
 from monai_cache.utils import format_table  # noqa: E402
@@ -161,27 +167,76 @@ def volumes(args: argparse.Namespace) -> None:
 
 
 def small_items(n: int, rounds: int) -> list[list[str]]:
-    """Rows of the small-item breakdown: CPU microseconds per item, medians over ``rounds`` interleaved passes."""
+    """Rows of the small-item breakdown: CPU microseconds per item, medians over ``rounds`` interleaved passes.
+
+    The miss path is timed alone (the same code again and again, its caches warm) and then as a DataLoader worker
+    runs it: each miss followed by the random transform (``RandFlipd``), the two timed apart in the same loop."""
     import bench_scale
+    from monai.transforms import RandFlipd
 
     make = bench_scale._make_transform()()
+    flip = RandFlipd(keys="image", prob=0.5, spatial_axis=0)
     items = [make({"i": i}) for i in range(n)]
     shm_dir = tempfile.mkdtemp(prefix="monai_cache-bench-", dir=os.environ.get("MONAI_CACHE_SHM_DIR", "/dev/shm"))
-    results: dict[str, list[float]] = {"make a 16 KiB item (uncached read)": [], "store miss path": [], "hit": []}
+    names = ("make a 16 KiB item (uncached read)", "random flip (every read)", "store miss path, alone",
+             "store miss path, before each flip", "random flip, after each miss",
+             "floor: its system calls alone, before each flip", "random flip, after each floor", "hit")
+    results: dict[str, list[float]] = {name: [] for name in names}
+
+    def then_flip(miss_path: Callable[[int], Any]) -> tuple[float, float]:
+        miss = flipped = 0.0
+        for i in range(n):
+            t0 = time.thread_time()
+            item = miss_path(i)
+            t1 = time.thread_time()
+            flip(dict(item))
+            t2 = time.thread_time()
+            miss, flipped = miss + t1 - t0, flipped + t2 - t1
+        return miss / n * 1e3, flipped / n * 1e3
+
+    def floor_path(fd: int, blob: bytes) -> Callable[[int], Any]:
+        # What any cache shared by processes does per new entry, with no Python around it: lock the entry (an OFD
+        # lock, and its release), write its bytes into fresh tmpfs pages, write its index slot.
+        def miss(i: int) -> Any:
+            ofd_lock(fd, 1 << 30 | i)
+            os.pwrite(fd, blob, i * len(blob))
+            os.pwrite(fd, blob[:32], (1 << 31) + 32 * i)
+            ofd_unlock(fd, 1 << 30 | i)
+            return items[i]
+
+        return miss
+
     try:
         for r in range(rounds):
-            results["make a 16 KiB item (uncached read)"].append(per_item(lambda i: make({"i": i}), n)[0])
+            results[names[0]].append(per_item(lambda i: make({"i": i}), n)[0])
+            results[names[1]].append(per_item(lambda i: flip(dict(items[i])), n)[0])
             store = SharedMemoryStore(f"small{r}", n, shm_dir=shm_dir)
-            miss = per_item(lambda i: store.get_or_compute(i, lambda: items[i], reuse_computed=True), n)  # noqa: B023
-            results["store miss path"].append(miss[0])
-            results["hit"].append(per_item(lambda i: store[i], n)[0])  # noqa: B023
+            results[names[2]].append(
+                per_item(lambda i: store.get_or_compute(i, lambda: items[i], reuse_computed=True), n)[0]  # noqa: B023
+            )
+            results[names[7]].append(per_item(lambda i: store[i], n)[0])  # noqa: B023
             store.release()
+            store = SharedMemoryStore(f"small-flip{r}", n, shm_dir=shm_dir)
+            miss, flipped = then_flip(
+                lambda i: store.get_or_compute(i, lambda: items[i], reuse_computed=True)  # noqa: B023
+            )
+            results[names[3]].append(miss)
+            results[names[4]].append(flipped)
+            store.release()
+            fd = os.open(os.path.join(shm_dir, f"floor{r}"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                miss, flipped = then_flip(floor_path(fd, codec.encode(items[0]).to_bytes(data_crc=False)))
+            finally:
+                os.close(fd)
+                os.unlink(os.path.join(shm_dir, f"floor{r}"))
+            results[names[5]].append(miss)
+            results[names[6]].append(flipped)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
-    rows = [[f"{n:,} small items, one thread", "CPU us / item", ""]]
+    rows = [[f"{n:,} small items, one thread", "CPU us / item"]]
     for name, vals in results.items():
-        rows.append([name, f"{statistics.median(vals) * 1e3:.1f}", ""])
-    return [row[:2] for row in rows]
+        rows.append([name, f"{statistics.median(vals) * 1e3:.1f}"])
+    return rows
 
 
 if __name__ == "__main__":
