@@ -43,6 +43,7 @@ import tempfile
 import time
 
 import harness
+from monai.transforms import Transform
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -60,8 +61,10 @@ RATIOS = (
 )
 
 
-class Spin:
-    """A deterministic transform that burns ``ms`` milliseconds of this thread's CPU (a stand-in for decoding)."""
+class Spin(Transform):
+    """A deterministic transform that burns ``ms`` milliseconds of this thread's CPU (a stand-in for decoding).
+
+    A MONAI ``Transform``: MONAI's caches stop at the first callable that is not one, as at a random one."""
 
     def __init__(self, ms: float) -> None:
         self.ms = ms
