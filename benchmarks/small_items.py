@@ -24,11 +24,12 @@ Usage::
     python benchmarks/small_items.py                       # 20,000 items, 1x2 and 2x1, 5 repeats
     python benchmarks/small_items.py --items 4000 --repeats 2 --settings 1x2
     python benchmarks/small_items.py --compute-ms 1      # items that take a millisecond to make
-    python benchmarks/small_items.py --loader thread     # monai.data.ThreadDataLoader(use_thread_workers=True)
+    python benchmarks/small_items.py --loader thread --settings 1x0   # monai.data.ThreadDataLoader(num_workers=0)
 
 ``--loader`` picks the DataLoader of every configuration: ``monai`` (``monai.data.DataLoader``, the default),
-``thread`` (``monai.data.ThreadDataLoader`` with thread workers, ``persistent_workers`` left out) or ``ours``
-(``monai_cache.DataLoader``).
+``thread`` (``monai.data.ThreadDataLoader``, MONAI's pattern for a cache read in the main process: a background
+thread fetches the batches; thread workers, ``use_thread_workers=True``, made stock MONAI's ``RandFlipd`` fail) or
+``ours`` (``monai_cache.DataLoader``).
 """
 
 from __future__ import annotations
