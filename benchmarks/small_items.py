@@ -63,17 +63,22 @@ RATIOS = (
 
 
 class Spin(Transform):
-    """A deterministic transform that burns ``ms`` milliseconds of this thread's CPU (a stand-in for decoding).
+    """A deterministic transform that burns about ``ms`` milliseconds of CPU (a stand-in for decoding): a loop of
+    integer additions, sized once per process, with no system call in it (a loop reading the CPU clock is a system
+    call at every turn, and those change what runs around them).
 
     A MONAI ``Transform``: MONAI's caches stop at the first callable that is not one, as at a random one."""
 
     def __init__(self, ms: float) -> None:
         self.ms = ms
+        self.turns = 0
 
     def __call__(self, d: dict) -> dict:
-        end = time.thread_time() + self.ms / 1e3
-        while time.thread_time() < end:
-            pass
+        if not self.turns:
+            t = time.thread_time()
+            sum(range(1_000_000))
+            self.turns = max(1, int(1_000_000 * self.ms / 1e3 / max(time.thread_time() - t, 1e-6)))
+        sum(range(self.turns))
         return d
 
 
