@@ -374,8 +374,7 @@ class SharedMemoryStore:
         # The write's counts go into the shared counters with the space it reserves, in one update (each update
         # is a lock and its release: three of them were a quarter of a small item's miss path); they are taken
         # back if the entry is not published.
-        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item),
-                "entries": 1}
+        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item)}
         entries = self._reserve_space(size, done, misses=int(miss))
         if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
             # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
@@ -398,8 +397,7 @@ class SharedMemoryStore:
             identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
             self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(identity, i)))
         except OSError as e:
-            self._dir.counters.add({"bytes": -size, "skipped": 1, **{k: -d for k, d in done.items()}})
-            self._counts["skipped"] += 1
+            self._unreserve(size, done)
             if e.errno in _NO_SPACE:
                 self._warn_full(size, str(e))
             elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
@@ -407,10 +405,8 @@ class SharedMemoryStore:
                 warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached",
                      CacheUnavailableWarning)
             return False
-        counts = self._counts
         for k, d in done.items():
-            if k != "entries":
-                counts[k] += d
+            self._counts[k] += d
         if entries & (entries - 1) == 0 and entries >= min(4, self._length):  # 4, 8, 16, ...: see _check_projection
             self._check_projection()
         return True
@@ -435,19 +431,23 @@ class SharedMemoryStore:
             return False
 
     def _reserve_space(self, size: int, done: dict[str, int], misses: int) -> int:
-        """Reserve ``size`` bytes of the cache's budget, adding ``done`` (the write's counts) and ``misses`` to the
-        shared counters in the same update; returns the entries counted then, or 0 (nothing reserved, ``done``
-        not added) if the entry does not fit."""
-        new = self._dir.counters.add({"bytes": size, "misses": misses, **done})
+        """Reserve ``size`` bytes of the cache's budget and count one more entry, adding ``done`` (the write's
+        counts) and ``misses`` to the shared counters in the same update; returns the entries counted then, or 0
+        (taken back by :meth:`_unreserve`, the misses kept) if the entry does not fit."""
+        new = self._dir.counters.add({"bytes": size, "entries": 1, "misses": misses, **done})
         used = new["bytes"]
         over_budget = self._budget is not None and used > self._budget
         # with no budget, the memory the machine has is the budget: the tmpfs, the memory cgroup, MemAvailable
         if over_budget or not self._dir.room_for(size, self._reserve, memory=self._budget is None):
-            self._dir.counters.add({"bytes": -size, "skipped": 1, **{k: -d for k, d in done.items()}})
-            self._counts["skipped"] += 1
+            self._unreserve(size, done)
             self._warn_full(size, "shm_budget reached" if over_budget else f"no room left by {self._dir.limiting}")
             return 0
         return new["entries"]
+
+    def _unreserve(self, size: int, done: dict[str, int]) -> None:
+        """Take back what :meth:`_reserve_space` added for an entry that was not published, and count it skipped."""
+        self._dir.counters.add({"bytes": -size, "entries": -1, "skipped": 1, **{k: -d for k, d in done.items()}})
+        self._counts["skipped"] += 1
 
     def _machine_summary(self, machine: MachineMemory) -> str:
         """What the machine offers, in words, for the warnings."""
