@@ -287,6 +287,11 @@ class CacheDataset(_MonaiCacheDataset):
         self._subclass_attributes = tuple(name for name in own if name not in _MONAI_ATTRIBUTES)
         # None of these is randomizable, so MONAI's worker seeding (set_rnd walks __dict__ in order) gives the
         # transforms the same seeds as in MONAI.
+        # Made here, not on first use: MONAI's worker_init_fn walks this object's __dict__ in every worker, and
+        # thread workers (ThreadDataLoader(use_thread_workers=True)) read while others walk it: a key added by a
+        # first read raised "dictionary changed size during iteration" in a worker, and the epoch yielded nothing.
+        self._first_random = None
+        self._disk_variant_key: str | None = None
         self.shared_memory = shared_memory
         self.shm_dir = shm_dir
         self.shm_budget = shm_budget

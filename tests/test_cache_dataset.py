@@ -223,6 +223,18 @@ def test_thread_workers_share_the_cache_safely(shm_dir, volumes, tmp_path, kw):
     ds.release()
 
 
+@pytest.mark.parametrize("kw", [{}, {"runtime_cache": True, "cache_dir": "disk"}], ids=["eager", "runtime+disk"])
+def test_reads_add_no_attribute_for_thread_workers_seeding_to_trip_on(shm_dir, volumes, tmp_path, kw):
+    """MONAI's worker_init_fn walks the dataset's __dict__ in each worker; thread workers do it while other workers
+    read. A read that added an attribute made that walk raise "dictionary changed size during iteration"."""
+    args = {k: str(tmp_path / v) if k == "cache_dir" else v for k, v in kw.items()}
+    ds = monai_cache.CacheDataset(volumes[:2], chain(crop=None), progress=False, **args)
+    keys = list(vars(ds))
+    ds[0], ds[1], ds[0]  # a miss or a hit, and the memo of the chain's first random transform
+    assert list(vars(ds)) == keys
+    ds.release()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context):
     """runtime_cache=True with worker processes: MONAI caches nothing useful; ours computes each item once."""
