@@ -26,6 +26,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -310,26 +311,27 @@ class SharedMemoryStore:
         got = os.preadv(fd, [buf], slot.offset)
         return memoryview(buf) if got == slot.length else memoryview(b"")  # short: past the segment's end
 
-    def _read(self, i: int, count: bool = True) -> Any:
-        # The hit path: kept flat (every call and attribute lookup shows in reads of small entries).
+    def _read(self, i: int, count: bool = True, locked: bool = False) -> Any:
+        # The hit path: kept flat (every call and attribute lookup shows in reads of small entries). ``locked``: the
+        # caller holds entry i's lock (a bad entry is discarded under it, not under a second lock on i).
         directory = self._dir
         slot = directory.read_slot(i)
         if slot is None:
             return _MISSING
         if slot.__class__ is not Slot:
-            self._discard_corrupt(i, slot, "damaged index slot")
+            self._discard_corrupt(i, slot, "damaged index slot", locked)
             return _MISSING
         view = self._map(i, slot)
         if view is None:
             return _MISSING
         codec = _codec()
         if entry_tag(codec.blob_identity(view), i) != slot.tag:
-            self._discard_corrupt(i, slot, "its index slot points at data that is not this entry's")
+            self._discard_corrupt(i, slot, "its index slot points at data that is not this entry's", locked)
             return _MISSING
         try:
             item = codec.decode(view, allow_pickle=self._allow_pickle, verify=self._verify)
         except codec.CorruptEntryError as e:
-            self._discard_corrupt(i, slot, str(e))
+            self._discard_corrupt(i, slot, str(e), locked)
             return _MISSING
         if count:
             counts = self._counts
@@ -338,10 +340,12 @@ class SharedMemoryStore:
             directory.counters.count_read(view.nbytes)
         return item
 
-    def _discard_corrupt(self, i: int, slot: Any, why: str) -> None:
+    def _discard_corrupt(self, i: int, slot: Any, why: str, locked: bool = False) -> None:
         # Under the entry's lock, and only if the slot still says the same: concurrent readers of the same
-        # bad entry stay quiet, and an entry republished meanwhile is left alone.
-        with OFDLock(self._dir.locks_path, i):
+        # bad entry stay quiet, and an entry republished meanwhile is left alone. A caller holding the lock
+        # (``locked``) must not take it again: OFD locks of two descriptors conflict even in one thread, and
+        # the kernel detects no deadlock for them (a bad entry found by the read under the lock hung forever).
+        with contextlib.nullcontext() if locked else OFDLock(self._dir.locks_path, i):
             if self._dir.read_slot(i) != slot:
                 return
             self._dir.unpublish(i, slot)
@@ -557,7 +561,7 @@ class SharedMemoryStore:
             self._counts["misses"] += 1
             return compute()
         with OFDLock(self._dir.locks_path, i):
-            item = self._read(i)  # someone may have published it while we waited
+            item = self._read(i, locked=True)  # someone may have published it while we waited
             if item is not _MISSING:
                 return item
             release_freed_memory()  # the last large item this process computed, freed since: see runtime

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -280,6 +281,19 @@ def entry_location(store: SharedMemoryStore, i: int) -> tuple[str, int, int]:
     return os.path.join(store.path, f"s.{seg}"), offset, length
 
 
+def damage_entry(store: SharedMemoryStore, i: int, damage: str) -> None:
+    """Damage entry i where ``damage`` says: its index ``slot``, or its blob's ``header`` or ``payload``."""
+    path, offset, length = entry_location(store, i)
+    if damage == "slot":
+        with open(os.path.join(store.path, "index"), "r+b") as f:
+            f.seek(shm_directory.SLOT_SIZE * i + 4)
+            f.write(b"\x07")
+    else:
+        with open(path, "r+b") as f:
+            f.seek(offset + (50 if damage == "header" else length - 8))
+            f.write(b"\xff" * 8)
+
+
 @pytest.mark.parametrize("size", [1000, 400_000, 2_000_000])  # packed into a segment / a file of its own
 @pytest.mark.parametrize("damage", ["payload", "header", "slot"])
 @pytest.mark.parametrize("verify", [False, True])
@@ -288,15 +302,7 @@ def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir, size, damag
     value = {"x": torch.arange(size, dtype=torch.float32), "name": "case0"}
     store[0] = value
     store[1] = {"x": torch.ones(3), "name": "case1"}
-    path, offset, length = entry_location(store, 0)
-    if damage == "slot":
-        with open(os.path.join(store.path, "index"), "r+b") as f:
-            f.seek(4)
-            f.write(b"\x07")
-    else:
-        with open(path, "r+b") as f:
-            f.seek(offset + (50 if damage == "header" else length - 8))
-            f.write(b"\xff" * 8)
+    damage_entry(store, 0, damage)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first, second = store[0], store[0]
@@ -313,6 +319,31 @@ def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir, size, damag
     assert got["name"] == "case0" and torch.equal(got["x"], value["x"]) and store.contains(0)
     assert store.stats()["total"]["corrupt"] == 1
     assert store[1]["name"] == "case1"
+    store.release()
+
+
+@pytest.mark.parametrize("damage", ["header", "slot"])
+def test_entry_found_bad_by_the_read_under_its_lock_is_recomputed(shm_dir, damage):
+    # The read under the entry's lock (after a caller found the entry missing: CacheDataset's miss) finds it bad,
+    # damaged meanwhile: it is discarded under the lock already held. Taking the lock again on a second descriptor
+    # waited for this thread's own lock forever (OFD locks conflict across descriptors; no deadlock detection).
+    store = SharedMemoryStore("bad-under-lock", 2)
+    store[0] = {"x": torch.ones(8), "name": "old"}
+    damage_entry(store, 0, damage)
+    got: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reader = threading.Thread(
+            target=lambda: got.append(store.get_or_compute(0, lambda: {"x": torch.zeros(8), "name": "new"},
+                                                           missing=True)),
+            daemon=True,
+        )
+        reader.start()
+        reader.join(15)
+    assert got, "the read under the entry's lock hung on the same lock"
+    assert got[0]["name"] == "new" and store[0]["name"] == "new"
+    assert len([w for w in caught if "corrupt" in str(w.message)]) == 1
+    assert store.stats()["total"]["corrupt"] == 1
     store.release()
 
 
