@@ -526,35 +526,37 @@ import monai_cache
 from helpers import chain
 from monai.data import DataLoader
 
-random.seed({seed})
-delay = random.uniform(0.0, 0.3)
+for seed, shm_dir in enumerate({shm_dirs!r}):  # one trial per seed, each with a cache directory of its own
+    random.seed(seed)
+    delay = random.uniform(0.0, 0.3)
 
-def kill_me_soon(worker_id):  # SIGKILL this DataLoader worker at a random moment of its epoch
-    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    def kill_me_soon(worker_id):  # SIGKILL this DataLoader worker at a random moment of its epoch
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
-ds = monai_cache.CacheDataset({data!r}, chain(), runtime_cache=True, progress=False, keep_warm=True)
-it = None
-outcome = "finished before the kill"
-try:
-    it = iter(DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon))
-    # torch's SIGCHLD handler raises from wherever the main thread happens to be; without it the loader
-    # finds the dead worker itself (its liveness check) and raises inside this loop
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for _ in it:
+    ds = monai_cache.CacheDataset({data!r}, chain(), runtime_cache=True, progress=False, keep_warm=True,
+                                  shm_dir=shm_dir)
+    it = None
+    outcome = "finished before the kill"
+    try:
+        it = iter(DataLoader(ds, batch_size=1, num_workers=1, worker_init_fn=kill_me_soon))
+        # torch's SIGCHLD handler raises from wherever the main thread happens to be; without it the loader
+        # finds the dead worker itself (its liveness check) and raises inside this loop
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for _ in it:
+            pass
+    except RuntimeError as e:
+        died = "killed by signal" in str(e) or "exited unexpectedly" in str(e)
+        outcome = "killed" if died else f"other error: {{e}}"
+    except (EOFError, ConnectionError):  # killed while handing a batch over: its descriptors are gone
+        outcome = "killed"
+    try:
+        if it is not None:
+            it._shutdown_workers()
+    except Exception:
         pass
-except RuntimeError as e:
-    died = "killed by signal" in str(e) or "exited unexpectedly" in str(e)
-    outcome = "killed" if died else f"other error: {{e}}"
-except (EOFError, ConnectionError):  # killed while handing a batch over: its descriptors are gone
-    outcome = "killed"
-try:
-    if it is not None:
-        it._shutdown_workers()
-except Exception:
-    pass
-print(outcome)
-sys.stdout.flush()
-os._exit(0)  # the cache is kept warm; skip interpreter teardown racing the DataLoader's threads
+    print(outcome)
+    sys.stdout.flush()
+os._exit(0)  # the caches are kept warm; skip interpreter teardown racing the DataLoaders' threads
 """
 
 
@@ -565,14 +567,19 @@ def test_worker_killed_mid_epoch_leaves_nothing_bad_and_nothing_blocking(shm_dir
     tests = os.path.dirname(os.path.abspath(__file__))
     tr = chain()
     ref = monai.data.CacheDataset(volumes, chain(crop=None), progress=False)
-    outcomes = []
-    for seed in range(3):
-        script = KILLED_WORKER.format(tests=tests, seed=seed, data=volumes)
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        outcomes.append(r.stdout.strip())
+    # three trials (a worker killed at another moment in each) in one interpreter, each in a directory of its own
+    trial_dirs = [os.path.join(shm_dir, f"trial{seed}") for seed in range(3)]
+    for path in trial_dirs:
+        os.makedirs(path)
+    script = KILLED_WORKER.format(tests=tests, shm_dirs=trial_dirs, data=volumes)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    outcomes = r.stdout.split()
+    assert len(outcomes) == len(trial_dirs), (r.stdout, r.stderr[-3000:])
+    for trial_dir in trial_dirs:
         # the same dataset in this process finds the kept cache: every entry it accepts is right...
-        ds = monai_cache.CacheDataset(volumes, tr, runtime_cache=True, progress=False, keep_warm=True)
+        ds = monai_cache.CacheDataset(volumes, tr, runtime_cache=True, progress=False, keep_warm=True,
+                                      shm_dir=trial_dir)
         for i in range(len(volumes)):
             entry = ds._cache[i]
             if entry is not None:
@@ -586,7 +593,7 @@ def test_worker_killed_mid_epoch_leaves_nothing_bad_and_nothing_blocking(shm_dir
         t0 = time.monotonic()
         assert len(list(DataLoader(ds, batch_size=2, num_workers=2))) == len(volumes) // 2
         assert time.monotonic() - t0 < 120
-        assert monai_cache.shm.remove_cache(os.path.basename(ds._cache.path), force=True)
+        assert monai_cache.shm.remove_cache(os.path.basename(ds._cache.path), shm_dir=trial_dir, force=True)
         ds.release()
     assert "killed" in outcomes, outcomes
 
