@@ -103,3 +103,26 @@ def test_bench_cache_launch_two_ranks(tmp_path):
     batches = bench_cache.batches_per_epoch(ITEMS, RANKS, spec.batch_size)
     assert events == ["S"] + [f"B{e}" for e in range(EPOCHS) for _ in range(batches)]
     assert not os.path.exists(shm_dir)
+
+
+def test_profile_miss_names_each_sample_by_the_outermost_part_below_the_miss_path(tmp_path):
+    # py-spy's raw format: frames outermost first, joined by ';', then the sample count
+    profile_miss = importlib.import_module("profile_miss")
+    top = ("<module> (loop.py:1);SharedMemoryStore.get_or_compute (monai_cache/shm.py:544);"
+           "SharedMemoryStore._get_or_compute (monai_cache/shm.py:570)")
+    write = (f"{top};SharedMemoryStore._write_computed (monai_cache/shm.py:428);"
+             "SharedMemoryStore._write (monai_cache/shm.py:372)")
+    raw = tmp_path / "samples.txt"
+    raw.write_text("\n".join([
+        f"{write};encode (monai_cache/codec.py:436);JSONEncoder.encode (json/encoder.py:200) 5",
+        f"{write};SharedMemoryStore._reserve_space (monai_cache/shm.py:441);SharedCounters.add (x.py:1) 3",
+        # the segment write calls fallocate: counted once, as the write, not as anything inside it
+        f"{write};CacheDirectory.append (monai_cache/shm_directory.py:403);fallocate (monai_cache/runtime.py:702) 2",
+        f"{top};OFDLock.__enter__ (monai_cache/runtime.py:275) 4",
+        f"{top} 1",  # the store's own line
+        "<module> (loop.py:1);make (bench_scale.py:70) 50",  # outside the miss path: not counted
+    ]) + "\n")
+    counts, total = profile_miss.parts_of(str(raw))
+    assert total == 15
+    assert counts == {"encode": 5, "shared counters and room": 3, "write into the segment": 2, "entry lock": 4,
+                      "the rest": 1}
