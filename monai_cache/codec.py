@@ -115,15 +115,30 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _path_key(path: str, key: Any) -> str:
-    return f"{path}[{key!r}]" if not isinstance(key, enum.Enum) else f"{path}[{key.value!r}]"
-
-
 _ATTR_NAMES = {
     "_meta": "meta",
     "_applied_operations": "applied_operations",
     "_pending_operations": "pending_operations",
 }
+
+# Where a value sits in the item, for error messages: "item", or (parent, how, what) with how one of "key" (a dict
+# key), "attr" (a MetaTensor attribute), "index" (a list or tuple position) or "." (a named part). Built as tuples and
+# spelled out only for an error: a NIfTI image's meta dict has dozens of keys, and formatting each key's path showed
+# in the cost of encoding it.
+_Path = Any
+
+
+def _path_text(path: _Path) -> str:
+    if isinstance(path, str):
+        return path
+    parent, how, what = path
+    if how == "key":
+        return f"{_path_text(parent)}[{(what.value if isinstance(what, enum.Enum) else what)!r}]"
+    if how == "attr":
+        return f"{_path_text(parent)}.{_ATTR_NAMES.get(what, what)}"
+    if how == "index":
+        return f"{_path_text(parent)}[{what}]"
+    return f"{_path_text(parent)}.{what}"
 
 
 @dataclass
@@ -256,7 +271,7 @@ class _Encoder:
         self.offsets.append(self.size)
         self.size += view.nbytes
 
-    def _tensor(self, t: torch.Tensor, path: str, top_key: str | None, depth: int) -> dict:
+    def _tensor(self, t: torch.Tensor, path: _Path, top_key: str | None, depth: int) -> dict:
         # Only look for MetaTensor if MONAI is loaded: importing it takes seconds, and without it none exists.
         meta_module = sys.modules.get("monai.data.meta_tensor")
         is_meta = meta_module is not None and isinstance(t, meta_module.MetaTensor)
@@ -270,7 +285,7 @@ class _Encoder:
             data = data.resolve_conj().resolve_neg()
         own_storage = data.untyped_storage().data_ptr()
         if data.dtype not in _TORCH_DTYPE_NAMES:
-            raise UnsupportedValueError(f"cannot cache {path}: torch dtype {data.dtype} is not supported")
+            raise UnsupportedValueError(f"cannot cache {_path_text(path)}: torch dtype {data.dtype} is not supported")
         if data.device.type != "cpu":
             node["dev"] = str(data.device)
             data = data.cpu()
@@ -302,9 +317,11 @@ class _Encoder:
             node["a"] = self._dict(attrs, path, depth + 1, attr=True)
         return node
 
-    def _ndarray(self, a: np.ndarray, path: str, top_key: str | None) -> dict:
+    def _ndarray(self, a: np.ndarray, path: _Path, top_key: str | None) -> dict:
         if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
             return self._fallback(a, path, f"numpy dtype {a.dtype} is not supported")
+        if a.nbytes <= INLINE_LIMIT and (top_key is None or top_key not in self.lossy):
+            return self._small_ndarray(a)
         node: dict[str, Any] = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
         if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
             node["F"] = True
@@ -332,10 +349,24 @@ class _Encoder:
         self._add_buffer(node, view, borrowed=np.may_share_memory(data, a))
         return node
 
-    def _fallback(self, value: Any, path: str, why: str) -> dict:
+    @staticmethod
+    def _small_ndarray(a: np.ndarray) -> dict:
+        """The node of an array inlined in the header (meta dicts hold dozens: a NIfTI header's fields): what
+        :meth:`_ndarray` writes for it, without the buffer bookkeeping (no buffer; too small to downcast)."""
+        node: dict[str, Any] = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
+        fortran = a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous
+        if fortran:
+            node["F"] = True
+        if a.dtype.byteorder == ">":  # stored little-endian; decode casts back to the original byte order
+            a = a.astype(a.dtype.newbyteorder("<"))
+            node["sd"] = a.dtype.str
+        node["x"] = base64.b64encode(a.tobytes(order="F" if fortran else "C")).decode("ascii")
+        return node
+
+    def _fallback(self, value: Any, path: _Path, why: str) -> dict:
         if not self.allow_pickle:
             raise UnsupportedValueError(
-                f"cannot cache {path}: {why} (type {type(value).__module__}.{type(value).__qualname__}). "
+                f"cannot cache {_path_text(path)}: {why} (type {type(value).__module__}.{type(value).__qualname__}). "
                 "monai_cache stores tensors, numpy arrays, numbers, strings, None, enums and dict/list/tuple "
                 "of these without pickle. Convert the value in a transform before the first random one, "
                 "or pass allow_pickle=True to store it with pickle (only load such caches from trusted sources)."
@@ -346,54 +377,59 @@ class _Encoder:
         self._add_buffer(node, memoryview(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
         return node
 
-    def _dict(self, d: Mapping, path: str, depth: int, attr: bool = False) -> dict:
+    def _dict(self, d: Mapping, path: _Path, depth: int, attr: bool = False) -> dict:
         keys, values = [], []
         for k, v in d.items():
-            keys.append(self.node(k, f"{path}.<key>", depth + 1))
+            keys.append(k if type(k) is str else self.node(k, (path, ".", "<key>"), depth + 1))
             if attr:
-                values.append(self.node(v, f"{path}.{_ATTR_NAMES.get(k, k)}", depth + 1))
+                values.append(self.node(v, (path, "attr", k), depth + 1))
             else:
                 top = k if depth == 0 and isinstance(k, str) else None
-                values.append(self.node(v, _path_key(path, k), depth + 1, top))
+                values.append(self.node(v, (path, "key", k), depth + 1, top))
         return {"~": "d", "k": keys, "v": values}
 
-    def node(self, value: Any, path: str, depth: int, top_key: str | None = None) -> Any:
+    def node(self, value: Any, path: _Path, depth: int, top_key: str | None = None) -> Any:
         if depth > MAX_DEPTH:
-            raise UnsupportedValueError(f"cannot cache {path}: nested deeper than {MAX_DEPTH} levels (a cycle?)")
-        if value is None or type(value) in (bool, str, int):
+            raise UnsupportedValueError(
+                f"cannot cache {_path_text(path)}: nested deeper than {MAX_DEPTH} levels (a cycle?)"
+            )
+        kind = type(value)
+        if value is None or kind in (bool, str, int):
             return value
-        if type(value) is float:
+        if kind is float:
             if math.isfinite(value):
                 return value
             return {"~": "f", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        # the exact containers and arrays before the isinstance checks below (none of them is an enum or a tensor):
+        # a meta dict is mostly small arrays
+        if kind is np.ndarray:
+            return self._ndarray(value, path, top_key)
+        if kind is dict:
+            return self._dict(value, path, depth)
+        if kind is list:
+            return [self.node(v, (path, "index", i), depth + 1) for i, v in enumerate(value)]
+        if kind is tuple:
+            return {"~": "t", "v": [self.node(v, (path, "index", i), depth + 1) for i, v in enumerate(value)]}
         if isinstance(value, enum.Enum):
             cls = type(value)
             if "<locals>" in cls.__qualname__:  # decode finds enum classes by module and name only
                 raise UnsupportedValueError(
-                    f"cannot cache {path}: enum {cls.__module__}.{cls.__qualname__} is defined inside a "
+                    f"cannot cache {_path_text(path)}: enum {cls.__module__}.{cls.__qualname__} is defined inside a "
                     "function, so a reader could not find its class. Define it at module level, or convert "
                     "the value (e.g. to value.value) in a transform before the first random one."
                 )
             return {"~": "e", "c": f"{cls.__module__}:{cls.__qualname__}", "v": self.node(value.value, path, depth + 1)}
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path, top_key, depth)
-        if isinstance(value, np.ndarray) and type(value) is np.ndarray:
-            return self._ndarray(value, path, top_key)
         if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
             return {"~": "n", "dt": value.dtype.str, "x": base64.b64encode(value.tobytes()).decode("ascii")}
-        if type(value) is dict:
-            return self._dict(value, path, depth)
-        if type(value) is list:
-            return [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
-        if type(value) is tuple:
-            return {"~": "t", "v": [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]}
-        if type(value) is complex:
+        if kind is complex:
             return {"~": "c", "r": self.node(value.real, path, depth + 1), "i": self.node(value.imag, path, depth + 1)}
         if isinstance(value, torch.dtype) and value in _TORCH_DTYPE_NAMES:
             return {"~": "td", "v": _TORCH_DTYPE_NAMES[value]}
         if isinstance(value, np.dtype) and value.kind in _NUMPY_KINDS and value.fields is None:
             return {"~": "nd", "v": value.str}
-        if type(value) is bytes:
+        if kind is bytes:
             node: dict[str, Any] = {"~": "B"}
             self._add_buffer(node, memoryview(value))
             return node
