@@ -248,6 +248,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+_SMALL_NODES: dict[tuple, dict] = {}  # _Encoder._small_ndarray's nodes, by (dtype, shape, Fortran order, bytes)
+_SMALL_NODES_MAX = 4096
+
+
 class _Encoder:
     def __init__(self, allow_pickle: bool, downcast: bool, lossy: Mapping[str, torch.dtype] | None) -> None:
         self.allow_pickle = allow_pickle
@@ -352,15 +356,27 @@ class _Encoder:
     @staticmethod
     def _small_ndarray(a: np.ndarray) -> dict:
         """The node of an array inlined in the header (meta dicts hold dozens: a NIfTI header's fields): what
-        :meth:`_ndarray` writes for it, without the buffer bookkeeping (no buffer; too small to downcast)."""
-        node: dict[str, Any] = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
+        :meth:`_ndarray` writes for it, without the buffer bookkeeping (no buffer; too small to downcast).
+
+        Nodes are remembered by dtype, shape and bytes: one image's header fields are mostly another's (the same
+        header size, codes and units), and a node is only read once made."""
         fortran = a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous
+        raw = a.tobytes(order="F" if fortran else "C")
+        key = (a.dtype.str, a.shape, fortran, raw)
+        node = _SMALL_NODES.get(key)
+        if node is not None:
+            return node
+        node = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
         if fortran:
             node["F"] = True
         if a.dtype.byteorder == ">":  # stored little-endian; decode casts back to the original byte order
             a = a.astype(a.dtype.newbyteorder("<"))
             node["sd"] = a.dtype.str
-        node["x"] = base64.b64encode(a.tobytes(order="F" if fortran else "C")).decode("ascii")
+            raw = a.tobytes(order="F" if fortran else "C")
+        node["x"] = base64.b64encode(raw).decode("ascii")
+        if len(_SMALL_NODES) >= _SMALL_NODES_MAX:
+            _SMALL_NODES.clear()
+        _SMALL_NODES[key] = node
         return node
 
     def _fallback(self, value: Any, path: _Path, why: str) -> dict:
