@@ -250,6 +250,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 _SMALL_NODES: dict[tuple, dict] = {}  # _Encoder._small_ndarray's nodes, by (dtype, shape, Fortran order, bytes)
 _SMALL_NODES_MAX = 4096
+_SMALL_ARRAYS: dict[tuple, np.ndarray] = {}  # _Decoder._ndarray's inline arrays, by their node's fields
 
 
 class _Encoder:
@@ -632,6 +633,18 @@ class _Decoder:
         return t
 
     def _ndarray(self, node: dict) -> np.ndarray:
+        # An array inlined in the header (a meta dict's: dozens per NIfTI image, mostly the same from one image to
+        # the next) is decoded once per content and copied after that: a copy is a fifth of decoding it again.
+        key = None
+        inline, shape = node.get("x"), node.get("sh")
+        if type(inline) is str and type(shape) is list and all(type(s) is int for s in shape):
+            try:
+                key = (inline, node.get("dt"), node.get("sd"), bool(node.get("F")), tuple(shape))
+                known = _SMALL_ARRAYS.get(key)
+            except TypeError:  # an unhashable dtype field: a damaged header, reported below
+                key = known = None
+            if known is not None:
+                return known.copy(order="K")
         dtype = _numpy_dtype(node.get("dt"))
         stored = _numpy_dtype(node["sd"]) if "sd" in node else dtype
         shape = self._shape(node)
@@ -642,6 +655,12 @@ class _Decoder:
         a = np.frombuffer(buf, dtype=stored, count=numel).reshape(tuple(shape), order="F" if node.get("F") else "C")
         if stored != dtype:
             a = a.astype(dtype, order="K")
+        if key is not None:
+            if len(_SMALL_ARRAYS) >= _SMALL_NODES_MAX:
+                _SMALL_ARRAYS.clear()
+            known = a.copy(order="K")
+            known.flags.writeable = False
+            _SMALL_ARRAYS[key] = known
         return a
 
     def node(self, node: Any, depth: int) -> Any:

@@ -120,6 +120,24 @@ def test_arrays_either_side_of_the_inline_limit_roundtrip_exactly(dtype, shape, 
     assert ("x" in header["root"]["v"][0]) == (a.nbytes <= codec.INLINE_LIMIT)
 
 
+def test_small_arrays_decoded_again_are_private_writable_copies():
+    # Inline arrays are decoded once per content and copied after that (meta dicts repeat them from one item to
+    # the next): each decode must still hand out arrays of its own, writable, in their own memory order.
+    meta = {"dim": np.arange(8, dtype="<i2"), "pixdim": np.float32(0.8) * np.ones(8, ">f4"), "zero_d": np.ones(()),
+            "srow": np.asfortranarray(np.arange(12.0).reshape(3, 4))}
+    blob = bytes(encode({"meta": meta}).to_bytes())
+    first, second = (decode(memoryview(bytearray(blob)))["meta"] for _ in range(2))
+    for key, want in meta.items():
+        a, b = first[key], second[key]
+        assert a.dtype == want.dtype and a.shape == want.shape and np.array_equal(a, want) and np.array_equal(b, want)
+        assert a.flags.writeable and b.flags.writeable and not np.shares_memory(a, b), key
+        assert b.flags.f_contiguous == want.flags.f_contiguous and b.flags.c_contiguous == want.flags.c_contiguous
+        a[...] = 7  # a transform writing into one item's meta...
+    third = decode(memoryview(bytearray(blob)))["meta"]
+    for key, want in meta.items():
+        assert np.array_equal(second[key], want) and np.array_equal(third[key], want), key  # ...changes no other
+
+
 class Color(enum.Enum):
     RED = "red"
 
