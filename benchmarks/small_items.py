@@ -4,7 +4,8 @@ MONAI's ``CacheDataset``, side by side in one run (issue #27's "many small items
 
 The items are ``bench_scale.py``'s: 64x64 float32 images of 16 KiB made by a cheap deterministic transform (a
 seeded ``torch.rand``, tens of microseconds; ``--compute-ms`` adds that much CPU work to it, standing for a decode
-and resize), then ``RandFlipd`` (the random part, run on every read). Each
+and resize; ``--meta`` makes each image a ``MetaTensor`` with the metadata ``LoadImaged`` gives a NIfTI image, about
+40 header fields, as a MONAI chain that loads files has), then ``RandFlipd`` (the random part, run on every read). Each
 configuration runs in a fresh process tree, started like ``torchrun`` ranks (``harness.run_ranks``; a gloo group
 and a barrier around each epoch so that the ranks' epochs line up), with ``monai.data.DataLoader(batch_size,
 shuffle or DistributedSampler, num_workers, persistent_workers=True)``:
@@ -24,6 +25,7 @@ Usage::
     python benchmarks/small_items.py                       # 20,000 items, 1x2 and 2x1, 5 repeats
     python benchmarks/small_items.py --items 4000 --repeats 2 --settings 1x2
     python benchmarks/small_items.py --compute-ms 1      # items that take a millisecond to make
+    python benchmarks/small_items.py --meta              # items with a NIfTI image's metadata
     python benchmarks/small_items.py --loader thread --settings 1x0   # monai.data.ThreadDataLoader(num_workers=0)
 
 ``--loader`` picks the DataLoader of every configuration: ``monai`` (``monai.data.DataLoader``, the default),
@@ -82,8 +84,36 @@ class Spin(Transform):
         return d
 
 
+class WithNiftiMeta(Transform):
+    """Makes the image a ``MetaTensor`` with the metadata ``LoadImaged`` + ``EnsureChannelFirstd`` give a 64x64 NIfTI
+    image (read once per process from a file written for it), its file name the item's: what a MONAI chain that
+    loads files carries into the cache. Deterministic, so it is cached."""
+
+    def __init__(self) -> None:
+        self.meta: dict | None = None
+
+    def _nifti_meta(self) -> dict:
+        import nibabel as nib
+        import numpy as np
+        from monai.transforms import EnsureChannelFirstd, LoadImaged
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "image.nii.gz")
+            nib.save(nib.Nifti1Image(np.zeros((64, 64), np.float32), np.diag([0.8, 0.8, 1.0, 1.0])), path)
+            loaded = EnsureChannelFirstd(keys="image")(LoadImaged(keys="image")({"image": path}))
+        return dict(loaded["image"].meta)
+
+    def __call__(self, d: dict) -> dict:
+        from monai.data import MetaTensor
+
+        if self.meta is None:
+            self.meta = self._nifti_meta()
+        meta = dict(self.meta, filename_or_obj=f"case{d['i']:06d}.nii.gz", affine=self.meta["affine"].clone())
+        return dict(d, image=MetaTensor(d["image"], meta=meta))
+
+
 def rank_main(config: str, items: int, workers: int, batch: int, epochs: int, result: str, compute_ms: float,
-              loader_kind: str) -> None:
+              loader_kind: str, meta: bool = False) -> None:
     """One rank of one run: build ``config``'s dataset, read ``epochs`` epochs, write their wall and CPU."""
     import torch
     import torch.distributed as dist
@@ -100,8 +130,10 @@ def rank_main(config: str, items: int, workers: int, batch: int, epochs: int, re
     make = _make_transform()
     sys.modules["__main__"].MakeImage = make  # picklable by reference
     sys.modules["__main__"].Spin = Spin
+    sys.modules["__main__"].WithNiftiMeta = WithNiftiMeta
     spin = [Spin(compute_ms)] if compute_ms > 0 else []
-    chain = Compose([make(), *spin, RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
+    with_meta = [WithNiftiMeta()] if meta else []
+    chain = Compose([make(), *with_meta, *spin, RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
     data = [{"i": i} for i in range(items)]
     if config == "uncached":
         from monai.data import Dataset
@@ -154,7 +186,7 @@ def run(config: str, ranks: int, workers: int, args: argparse.Namespace, tmp: st
     env = dict(os.environ, MONAI_CACHE_SHM_DIR=run_dir)  # a cache of its own: nothing left warm from a run before
     argv = [os.path.abspath(__file__), "--rank", config, "--items", str(args.items), "--workers", str(workers),
             "--batch", str(args.batch), "--epochs", str(args.epochs), "--compute-ms", str(args.compute_ms),
-            "--loader", args.loader,
+            "--loader", args.loader, *(["--meta"] if args.meta else []),
             "--out", run_dir]
     harness.run_ranks(argv, ranks, os.path.join(run_dir, "logs"), env=env, timeout=1800)
     per_rank = []
@@ -178,6 +210,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--loader", choices=("monai", "thread", "ours"), default="monai")
     parser.add_argument("--compute-ms", type=float, default=0.0, help="CPU milliseconds added to making an item")
+    parser.add_argument("--meta", action="store_true", help="items are MetaTensors with a NIfTI image's metadata")
     parser.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -185,10 +218,11 @@ def main() -> int:
     if args.rank:
         rank = os.environ.get("RANK", "0")
         rank_main(args.rank, args.items, args.workers, args.batch, args.epochs,
-                  os.path.join(args.out, f"rank{rank}.json"), args.compute_ms, args.loader)
+                  os.path.join(args.out, f"rank{rank}.json"), args.compute_ms, args.loader, args.meta)
         return 0
     tmp = tempfile.mkdtemp(prefix="small_items-", dir="/dev/shm")
     extra = f", {args.compute_ms:g} ms more to make each" if args.compute_ms else ""
+    extra += ", with a NIfTI image's metadata" if args.meta else ""
     print(f"small_items: {args.items:,} items of 16 KiB{extra}, batch {args.batch}, loader {args.loader}, "
           f"{args.repeats} repeats; load average {os.getloadavg()[0]:.1f}", flush=True)
     try:
