@@ -248,9 +248,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+# Memos of the arrays small enough for the header (a NIfTI meta dict's fields), each cleared when it holds _MEMO_MAX
 _SMALL_NODES: dict[tuple, dict] = {}  # _Encoder._small_ndarray's nodes, by (dtype, shape, Fortran order, bytes)
-_SMALL_NODES_MAX = 4096
 _SMALL_ARRAYS: dict[tuple, np.ndarray] = {}  # _Decoder._ndarray's inline arrays, by their node's fields
+_MEMO_MAX = 4096
 
 
 class _Encoder:
@@ -375,7 +376,7 @@ class _Encoder:
             node["sd"] = a.dtype.str
             raw = a.tobytes(order="F" if fortran else "C")
         node["x"] = base64.b64encode(raw).decode("ascii")
-        if len(_SMALL_NODES) >= _SMALL_NODES_MAX:
+        if len(_SMALL_NODES) >= _MEMO_MAX:
             _SMALL_NODES.clear()
         _SMALL_NODES[key] = node
         return node
@@ -634,7 +635,8 @@ class _Decoder:
 
     def _ndarray(self, node: dict) -> np.ndarray:
         # An array inlined in the header (a meta dict's: dozens per NIfTI image, mostly the same from one image to
-        # the next) is decoded once per content and copied after that: a copy is a fifth of decoding it again.
+        # the next) is decoded once per content and copied after that: the key, the lookup and the copy take about a
+        # third of decoding it again (0.9 us against 3 us for an 8-element array).
         key = None
         inline, shape = node.get("x"), node.get("sh")
         if type(inline) is str and type(shape) is list and all(type(s) is int for s in shape):
@@ -656,7 +658,7 @@ class _Decoder:
         if stored != dtype:
             a = a.astype(dtype, order="K")
         if key is not None:
-            if len(_SMALL_ARRAYS) >= _SMALL_NODES_MAX:
+            if len(_SMALL_ARRAYS) >= _MEMO_MAX:
                 _SMALL_ARRAYS.clear()
             known = a.copy(order="K")
             known.flags.writeable = False
