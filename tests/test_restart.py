@@ -113,6 +113,49 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
         SharedMemoryStore("bad", 2, keep_alive=-1)
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # state, ppid, ...
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_keeper_takes_an_agent_that_exited_unreaped_for_gone(shm_dir, monkeypatch):
+    """torchrun's agent has exited, but whatever started it has not reaped it yet (a zombie: a launcher waiting on
+    something else first, as the doc-example tests did): the keeper removes the cache and exits, as for an agent
+    gone altogether. It used to take the zombie for the agent alive and wait on its pidfd, readable since the exit,
+    so it spun on a full CPU until the zombie was reaped."""
+    from monai_cache import keeper
+    from monai_cache.shm import SharedMemoryStore
+
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        # what a rank's spawned DataLoader worker finds in its environment: the node's agent
+        monkeypatch.setenv(keeper.ENV_AGENT, f"{agent.pid}:{keeper._start_time(agent.pid)}")
+        store = SharedMemoryStore("zombie-agent", 2)
+        store[0] = {"x": 1}
+        path = store.path
+        (kept_by,) = _keepers_of(shm_dir)
+        store.release()
+        assert os.path.isdir(path)  # held by the keeper while the agent runs
+        assert agent.stdin is not None
+        agent.stdin.close()  # the agent exits; nobody reaps it (no wait() until the end)
+        _wait_until(lambda: _stat(agent.pid)[0] == "Z", "the agent did not exit")
+        cpu_then = _cpu_seconds(kept_by)
+        _wait_until(lambda: not os.path.exists(path) or _cpu_seconds(kept_by) - cpu_then > 3.0, "")
+        assert not os.path.exists(path), (
+            f"the keeper kept the cache of an agent that exited, and used {_cpu_seconds(kept_by) - cpu_then:.1f} "
+            "CPU s meanwhile"
+        )
+        _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
+    finally:
+        agent.kill()
+        agent.wait()
+
+
 def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tmp_path):
     """Two torchrun agents as two nodes (``--nnodes=1:2``, c10d on 127.0.0.1, a shared-memory directory each);
     node B is killed mid-epoch (agent and rank); node A finishes the epoch alone, each item once, on its cache."""
