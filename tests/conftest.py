@@ -30,6 +30,22 @@ if _monai_version() < (1, 5):
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its warning is filtered in pyproject.toml
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the documented examples' processes now if their tests are to run (tests/test_doc_examples.py): they
+    then use the core that the tests before them leave idle, instead of a minute of the suite's own."""
+    modules = {m for m in (getattr(item, "module", None) for item in session.items)
+               if m is not None and m.__name__ == "test_doc_examples"}
+    if modules and not session.config.option.collectonly:
+        (module,) = modules
+        module.EARLY = module.Runs.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    module = sys.modules.get("test_doc_examples")
+    if module is not None and module.EARLY is not None:  # started, and their tests never ran (-x, -k, a crash)
+        module.EARLY.stop()
+
+
 @pytest.fixture
 def shm_dir(monkeypatch):
     """A private, real tmpfs directory under /dev/shm for this test's caches (also for child processes)."""

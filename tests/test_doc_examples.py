@@ -32,6 +32,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,14 +174,6 @@ def _environment(shm_dir: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def shm_dir():
-    path = f"/dev/shm/mc-test-doc-{uuid.uuid4().hex[:12]}"
-    os.makedirs(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @dataclass
 class Run:
     """A started example run: its process and the files its output goes to (pipes could fill and stall it)."""
@@ -205,32 +198,62 @@ def _start(argv: list[str], workdir: Path, shm_dir: str) -> Run:
     return Run(process, log, workdir)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, shm_dir):
-    """Start every run at once: one process for all plain examples, one launch per ``run as:`` example.
+@dataclass
+class Runs:
+    """Every run, started at once: one process for all plain examples, one launch per ``run as:`` example, in a
+    temporary directory and a shared-memory directory of their own. ``started`` maps an example id, or "plain",
+    to its run."""
 
-    They overlap (most of their time is spent importing torch, MONAI and Lightning in separate processes), so
-    the whole file takes about as long as its longest example. Returns {example id or "plain": Run}.
-    """
-    started: dict[str, Run] = {}
-    plain = [e for e in EXAMPLES if e.mode in ("run", "continues") and not e.error]
-    work = tmp_path_factory.mktemp("doc-examples")
-    (work / "examples.json").write_text(_runner_input(plain))
-    started["plain"] = _start([sys.executable, str(RUNNER), "examples.json", "results.json"], work, shm_dir)
-    for example in EXAMPLES:
-        if example.mode != "command" or example.error:
-            continue
-        work = tmp_path_factory.mktemp("doc-script")
-        argv = shlex.split(example.command)
-        script = next(a for a in argv if a.endswith(".py"))
-        (work / script).write_text("\n" * example.fence_line + example.code)  # line numbers of the Markdown file
-        launcher = [sys.executable] if argv[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
-        started[example.id] = _start(launcher + argv[1:], work, shm_dir)
-    yield started
-    for run in started.values():
-        if run.process.poll() is None:
-            run.process.kill()
+    work: Path
+    shm_dir: str
+    started: dict[str, Run]
+
+    @classmethod
+    def start(cls) -> Runs:
+        work = Path(tempfile.mkdtemp(prefix="mc-test-doc-"))
+        shm_dir = f"/dev/shm/mc-test-doc-{uuid.uuid4().hex[:12]}"
+        os.makedirs(shm_dir)
+        runs = cls(work, shm_dir, {})
+        plain = [e for e in EXAMPLES if e.mode in ("run", "continues") and not e.error]
+        (work / "plain").mkdir()
+        (work / "plain" / "examples.json").write_text(_runner_input(plain))
+        runs.started["plain"] = _start([sys.executable, str(RUNNER), "examples.json", "results.json"], work / "plain",
+                                       shm_dir)  # fmt: skip
+        for number, example in enumerate(EXAMPLES):
+            if example.mode != "command" or example.error:
+                continue
+            script_dir = work / f"script{number}"
+            script_dir.mkdir()
+            argv = shlex.split(example.command)
+            script = next(a for a in argv if a.endswith(".py"))
+            (script_dir / script).write_text("\n" * example.fence_line + example.code)  # lines of the Markdown file
+            launcher = [sys.executable] if argv[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
+            runs.started[example.id] = _start(launcher + argv[1:], script_dir, shm_dir)
+        return runs
+
+    def stop(self) -> None:
+        """Kill what still runs, remove the directories."""
+        for run in self.started.values():
+            if run.process.poll() is None:
+                run.process.kill()
             run.process.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+# Started by tests/conftest.py as soon as the tests of this file are collected, so that they run beside the tests
+# before this file (most of which leave a core idle) rather than after them; else by the fixture below.
+EARLY: Runs | None = None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{example id or "plain": Run}. The runs overlap (most of their time is spent importing torch, MONAI and
+    Lightning in separate processes), so the whole file takes about as long as its longest example."""
+    global EARLY
+    started, EARLY = EARLY or Runs.start(), None
+    yield started.started
+    started.stop()
 
 
 @pytest.fixture(scope="module")
