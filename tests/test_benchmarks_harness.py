@@ -126,3 +126,20 @@ def test_profile_miss_names_each_sample_by_the_outermost_part_below_the_miss_pat
     assert total == 15
     assert counts == {"encode": 5, "shared counters and room": 3, "write into the segment": 2, "entry lock": 4,
                       "the rest": 1}
+
+
+def test_first_pass_times_both_passes_of_every_configuration_and_the_random_transform_inside():
+    first_pass = importlib.import_module("first_pass")
+    results = first_pass.measure(items=24, repeats=2)
+    assert set(results) == set(first_pass.CONFIGS)
+    for config, repeats in results.items():
+        assert len(repeats) == 2 and all(len(passes) == len(first_pass.PASSES) for passes in repeats), config
+        for whole, random_part in (p for passes in repeats for p in passes):
+            assert 0 < random_part < whole, (config, whole, random_part)  # the flip ran, inside the timed read
+    lines = first_pass.table(results).splitlines()
+    # header and rule, then per pass and configuration: the whole read, the random transform, the rest
+    assert len(lines) == 2 + len(first_pass.PASSES) * len(first_pass.CONFIGS) * 3
+    for line in lines[2:]:
+        cells = line.split()
+        reference = "uncached" if cells[0] == "first" else "monai"  # what the difference is taken from
+        assert (cells[1] == reference) == (cells[-1][0] not in "+-"), line
