@@ -241,10 +241,10 @@ def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context)
     log_ref, log_ours = str(tmp_path / "ref"), str(tmp_path / "ours")
     n = len(volumes)
 
-    def run(ds, log):
+    def run(ds, log, start_method):
         torch.manual_seed(7)
         loader = DataLoader(
-            ds, batch_size=2, num_workers=2, multiprocessing_context=context, shuffle=True,
+            ds, batch_size=2, num_workers=2, multiprocessing_context=start_method, shuffle=True,
             persistent_workers=context == "spawn",  # spawning imports MONAI anew: do it once, not per epoch
         )
         batches = []
@@ -252,10 +252,12 @@ def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context)
             batches += [b["image"].as_tensor().clone() for b in loader]
         return batches, Counter(case for _, case in read_calls(log))
 
+    # MONAI's with forked workers: a worker's seeds do not depend on how it was started, so the reference batches
+    # are those of spawned workers too (spawning two more costs two MONAI imports)
     ref = monai.data.CacheDataset(volumes, chain(log_ref), runtime_cache=True, progress=False)
-    ref_batches, ref_calls = run(ref, log_ref)
+    ref_batches, ref_calls = run(ref, log_ref, "fork")
     ours = monai_cache.CacheDataset(volumes, chain(log_ours), runtime_cache=True, progress=False)
-    our_batches, our_calls = run(ours, log_ours)
+    our_batches, our_calls = run(ours, log_ours, context)
     assert sum(ref_calls.values()) > n  # MONAI recomputes in every worker of every epoch
     assert our_calls == Counter(range(n))  # once per item, shared by both workers and all epochs
     assert len(our_batches) == len(ref_batches)
