@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from monai_cache.runtime import pid_alive
+
 __all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent", "wait_for_keepers"]
 
 ENV_AGENT = "MONAI_CACHE_AGENT"
@@ -70,26 +72,19 @@ def keep_alive_seconds(value: float | None = None) -> float:
     return float(value)
 
 
-def _stat(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or [] if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
-    except (OSError, IndexError):
-        return []
-
-
 def _start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot), or None if there is none."""
-    fields = _stat(pid)
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _runs(pid: int, start_time: int) -> bool:
     """Whether process ``pid``, started at ``start_time``, has not exited. A zombie (exited, not yet reaped by its
     parent: a launcher busy with something else) has: its pidfd is readable, so waiting on it returns at once."""
-    fields = _stat(pid)
-    return len(fields) > 19 and fields[0] not in ("Z", "X") and fields[19] == str(start_time)
+    return _start_time(pid) == start_time and pid_alive(pid)
 
 
 def torchrun_agent() -> tuple[int, int] | None:
