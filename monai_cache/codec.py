@@ -35,7 +35,14 @@ tag    meaning
 ``B``  bytes: ``"b"``/``"x"``
 ``td`` torch.dtype, ``nd`` numpy dtype: ``"v"`` name
 ``P``  pickled value (only with ``allow_pickle=True``): ``"b"``/``"x"``
+``r``  the object of an earlier node again (an object met twice in the item): ``"i"``, the number of that node
 =====  ==========================================================================================
+
+An object met twice in an item (a dict, list, tensor or array) is stored once and decoded as one object again, as
+pickle and ``copy.deepcopy`` keep it: MONAI's random crops of one image share the dicts of its cached transforms in
+``applied_operations``. The nodes a reference can name are numbered in the order they are completed (children before
+their parent): every JSON list node and every ``d``, ``T``, ``M`` and ``N`` node. A header holding a reference says
+``"refs": true``; without one, a decoder numbers nothing.
 """
 
 from __future__ import annotations
@@ -255,10 +262,17 @@ _MEMO_MAX = 4096
 
 
 class _Encoder:
-    def __init__(self, allow_pickle: bool, downcast: bool, lossy: Mapping[str, torch.dtype] | None) -> None:
+    def __init__(
+        self, allow_pickle: bool, downcast: bool, lossy: Mapping[str, torch.dtype] | None, exact: bool = False
+    ) -> None:
         self.allow_pickle = allow_pickle
         self.downcast = downcast
         self.lossy = dict(lossy or {})
+        self.exact = exact
+        self.numbered = 0  # nodes a reference can name, counted as they are completed
+        self.done: dict[int, int] = {}  # id of an object of the item -> the number of its node
+        self.refs = False
+        self.storages: set[int] = set()  # exact: the tensors' storages met so far
         self.buffers: list[memoryview] = []
         self.offsets: list[int] = []
         self.borrowed: list[bool] = []
@@ -290,6 +304,8 @@ class _Encoder:
         if data.is_conj() or data.is_neg():  # lazy views: store the values they stand for
             data = data.resolve_conj().resolve_neg()
         own_storage = data.untyped_storage().data_ptr()
+        if self.exact:
+            self._check_exact(t, data, path)
         if data.dtype not in _TORCH_DTYPE_NAMES:
             raise UnsupportedValueError(f"cannot cache {_path_text(path)}: torch dtype {data.dtype} is not supported")
         if data.device.type != "cpu":
@@ -321,12 +337,46 @@ class _Encoder:
         if is_meta:
             attrs = dict(t.__dict__)
             node["a"] = self._dict(attrs, path, depth + 1, attr=True)
+            self.numbered += 1  # the attributes' dict node (made here: nothing can refer to it)
+        self._done(t)
         return node
+
+    def _check_exact(self, t: torch.Tensor, data: torch.Tensor, path: _Path) -> None:
+        """Refuse a tensor that pickling would bring back differently than a decode: a subclass other than
+        MetaTensor, one that requires grad, a lazy view, memory shared with another tensor of the item, or memory
+        that is not exactly its own elements (an offset, gaps, overlaps)."""
+        meta_module = sys.modules.get("monai.data.meta_tensor")
+        why = None
+        if type(t) is not torch.Tensor and (meta_module is None or type(t) is not meta_module.MetaTensor):
+            why = f"a tensor of subclass {type(t).__qualname__}"
+        elif t.requires_grad:
+            why = "a tensor that requires grad"
+        elif data.is_conj() or data.is_neg() or data.device.type != "cpu":
+            why = "a lazy view or a tensor not on the CPU"
+        else:
+            storage = data.untyped_storage()
+            nbytes = data.numel() * data.element_size()
+            if data.storage_offset() != 0 or storage.nbytes() != nbytes or not (
+                data.is_contiguous() or _is_dense_permutation(data)
+            ):
+                why = "a view of a part of its memory"
+            elif nbytes and storage.data_ptr() in self.storages:
+                why = "a tensor sharing memory with another"
+            elif nbytes:
+                self.storages.add(storage.data_ptr())
+        if why is not None:
+            raise UnsupportedValueError(f"cannot encode {_path_text(path)} exactly: {why}")
+
+    def _done(self, value: Any) -> None:
+        """Number the node just completed for ``value``; a later occurrence of ``value`` refers to it."""
+        self.done[id(value)] = self.numbered
+        self.numbered += 1
 
     def _ndarray(self, a: np.ndarray, path: _Path, top_key: str | None) -> dict:
         if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
             return self._fallback(a, path, f"numpy dtype {a.dtype} is not supported")
         if a.nbytes <= INLINE_LIMIT and (top_key is None or top_key not in self.lossy):
+            self._done(a)
             return self._small_ndarray(a)
         node: dict[str, Any] = {"~": "N", "dt": a.dtype.str, "sh": list(a.shape)}
         if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
@@ -353,6 +403,7 @@ class _Encoder:
         self.keepalive.append(data)
         view = memoryview(data.reshape(-1, order="A")).cast("B")  # type: ignore[arg-type]
         self._add_buffer(node, view, borrowed=np.may_share_memory(data, a))
+        self._done(a)
         return node
 
     @staticmethod
@@ -418,14 +469,22 @@ class _Encoder:
             if math.isfinite(value):
                 return value
             return {"~": "f", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        number = self.done.get(id(value))
+        if number is not None:  # met before: pickle and deepcopy keep one object, and so does the decode
+            self.refs = True
+            return {"~": "r", "i": number}
         # the exact containers and arrays before the isinstance checks below (none of them is an enum or a tensor):
         # a meta dict is mostly small arrays
         if kind is np.ndarray:
             return self._ndarray(value, path, top_key)
         if kind is dict:
-            return self._dict(value, path, depth)
+            out = self._dict(value, path, depth)
+            self._done(value)
+            return out
         if kind is list:
-            return [self.node(v, (path, "index", i), depth + 1) for i, v in enumerate(value)]
+            items = [self.node(v, (path, "index", i), depth + 1) for i, v in enumerate(value)]
+            self._done(value)
+            return items
         if kind is tuple:
             return {"~": "t", "v": [self.node(v, (path, "index", i), depth + 1) for i, v in enumerate(value)]}
         if isinstance(value, enum.Enum):
@@ -472,6 +531,7 @@ def encode(
     allow_pickle: bool = False,
     downcast: bool = False,
     lossy: Mapping[str, torch.dtype] | None = None,
+    exact: bool = False,
 ) -> Encoded:
     """Encode ``item`` as a header plus raw buffers (no copy of the tensor data is made).
 
@@ -482,17 +542,20 @@ def encode(
             exactly (restored bit for bit by :func:`decode`).
         lossy: ``{top-level key: dtype}``: store the tensors and arrays under that key of a dict item in
             ``dtype`` even when this loses precision (e.g. ``{"image": torch.float16}``).
+        exact: refuse what a decode would not give back as pickling does (a tensor subclass other than
+            MetaTensor, a tensor that requires grad, a view of part of its memory, tensors sharing memory):
+            the DataLoader's batches must be the ones torch would deliver.
 
     Raises:
-        UnsupportedValueError: naming the key path and type of a value that cannot be stored.
+        UnsupportedValueError: naming the key path and type of a value that cannot be stored (or, with
+            ``exact``, encoded exactly).
     """
-    enc = _Encoder(allow_pickle, downcast, lossy)
+    enc = _Encoder(allow_pickle, downcast, lossy, exact)
     root = enc.node(item, "item", 0)
-    header = json.dumps(
-        {"root": root, "buffers": [[o, b.nbytes] for o, b in zip(enc.offsets, enc.buffers)]},
-        separators=(",", ":"),
-        allow_nan=False,
-    ).encode()
+    fields: dict[str, Any] = {"root": root, "buffers": [[o, b.nbytes] for o, b in zip(enc.offsets, enc.buffers)]}
+    if enc.refs:
+        fields["refs"] = True
+    header = json.dumps(fields, separators=(",", ":"), allow_nan=False).encode()
     if len(header) > MAX_HEADER:
         raise UnsupportedValueError(
             f"cannot cache this item: its header (metadata and structure) takes {len(header)} bytes, more than "
@@ -551,10 +614,11 @@ _JSON_SCALARS = frozenset((type(None), bool, int, float, str))
 
 
 class _Decoder:
-    def __init__(self, data: memoryview, buffers: list, allow_pickle: bool) -> None:
+    def __init__(self, data: memoryview, buffers: list, allow_pickle: bool, refs: bool = False) -> None:
         self.data = data
         self.buffers = buffers
         self.allow_pickle = allow_pickle
+        self.table: list[Any] | None = [] if refs else None  # the numbered nodes' objects, if referred to
 
     def _bytes(self, node: dict) -> memoryview:
         if "x" in node:
@@ -630,7 +694,9 @@ class _Decoder:
             if not isinstance(attrs, dict):
                 raise CorruptEntryError("MetaTensor attributes are not a dict")
             mt.__dict__.update(attrs)
-            return mt
+            t = mt
+        if self.table is not None:
+            self.table.append(t)
         return t
 
     def _ndarray(self, node: dict) -> np.ndarray:
@@ -646,7 +712,10 @@ class _Decoder:
             except TypeError:  # an unhashable dtype field: a damaged header, reported below
                 key = known = None
             if known is not None:
-                return known.copy(order="K")
+                a = known.copy(order="K")
+                if self.table is not None:
+                    self.table.append(a)
+                return a
         dtype = _numpy_dtype(node.get("dt"))
         stored = _numpy_dtype(node["sd"]) if "sd" in node else dtype
         shape = self._shape(node)
@@ -663,6 +732,8 @@ class _Decoder:
             known = a.copy(order="K")
             known.flags.writeable = False
             _SMALL_ARRAYS[key] = known
+        if self.table is not None:
+            self.table.append(a)
         return a
 
     def node(self, node: Any, depth: int) -> Any:
@@ -672,7 +743,10 @@ class _Decoder:
         if kind in _JSON_SCALARS:
             return node
         if kind is list:  # leaves are most of a meta dict: no call for them
-            return [v if type(v) in _JSON_SCALARS else self.node(v, depth + 1) for v in node]
+            items = [v if type(v) in _JSON_SCALARS else self.node(v, depth + 1) for v in node]
+            if self.table is not None:
+                self.table.append(items)
+            return items
         if kind is not dict:
             raise CorruptEntryError(f"unexpected header node {kind.__name__}")
         tag = node.get("~")
@@ -687,11 +761,18 @@ class _Decoder:
                     out[key] = v if type(v) in _JSON_SCALARS else self.node(v, depth + 1)
                 except TypeError:
                     raise CorruptEntryError(f"unhashable dict key of type {type(key).__name__}") from None
+            if self.table is not None:
+                self.table.append(out)
             return out
         if tag in ("T", "M"):
             return self._tensor(node)
         if tag == "N":
             return self._ndarray(node)
+        if tag == "r":
+            number = node.get("i")
+            if self.table is None or type(number) is not int or not 0 <= number < len(self.table):
+                raise CorruptEntryError(f"reference {number!r} to no earlier node")
+            return self.table[number]
         if tag == "t":
             values = node.get("v")
             if not isinstance(values, list):
@@ -852,7 +933,7 @@ def decode(blob: memoryview | bytes | bytearray, *, allow_pickle: bool = False, 
         if crc != data_crc:
             raise CorruptEntryError("data checksum mismatch")
     try:
-        return _Decoder(data, spans, allow_pickle).node(header["root"], 0)
+        return _Decoder(data, spans, allow_pickle, header.get("refs") is True).node(header["root"], 0)
     except CorruptEntryError:
         raise
     except RecursionError:

@@ -468,3 +468,60 @@ def test_decoder_rejects_damage():
         decode(bad)
     with pytest.raises(CorruptEntryError):
         decode(os.urandom(len(blob)))
+
+
+def test_objects_met_twice_decode_as_one_object_as_pickle_keeps_them():
+    from helpers import sharing
+
+    ops = [{"class": "Spacingd", "extra_info": {"affine": np.eye(4)}}]
+    image = MetaTensor(torch.rand(2, 3), applied_operations=ops)
+    label = MetaTensor(torch.rand(2, 3), applied_operations=list(ops))  # a shallow copy, as MONAI's crops make
+    shared_tensor, shared_array = torch.arange(100.0), np.arange(100)
+    item = {
+        "image": image,
+        "label": label,
+        "t": [shared_tensor, shared_tensor],
+        "a": (shared_array, {"again": shared_array}),
+        "twice": [ops, ops],
+        "image again": image,
+    }
+    out = roundtrip(item)
+    assert sharing(out) == sharing(pickle.loads(pickle.dumps(item))) and len(sharing(item)) == 6
+    assert_same(out, item)
+    assert out["image again"] is out["image"] and out["t"][0] is out["t"][1]
+    assert out["label"].applied_operations[0] is out["image"].applied_operations[0]
+    out["t"][0][0] = -1  # one object: a change shows through both places, as after pickle or deepcopy
+    assert out["t"][1][0] == -1 and item["t"][0][0] == 0
+    # an item with nothing met twice keeps the header it had before references existed
+    assert b'"refs"' not in encode({"a": [1, 2], "b": [1, 2], "c": torch.ones(3)}).header
+
+
+def test_exact_encoding_refuses_what_pickling_would_bring_back_otherwise():
+    base = torch.arange(12.0)
+    encode({"x": base, "y": base.view(3, 4).t().contiguous().t()}, exact=True)  # a dense permutation: exact
+    for item, why in [
+        ({"x": base[2:6]}, "a view of a part of its memory"),
+        ({"x": base.view(3, 4)[:, ::2]}, "a view of a part of its memory"),
+        ({"x": base, "y": base.view(3, 4)}, "sharing memory with another"),
+        ({"x": torch.nn.Parameter(torch.ones(2))}, "subclass Parameter"),
+        ({"x": torch.ones(2, requires_grad=True)}, "requires grad"),
+    ]:
+        with pytest.raises(UnsupportedValueError, match=why):
+            encode(item, exact=True)
+        roundtrip(item)  # a cache stores the values (a view's elements, a copy of shared memory)
+
+
+@pytest.mark.parametrize("root", [
+    {"~": "r", "i": 0},  # a reference without "refs" in the header
+    [[1], {"~": "r", "i": 5}],  # to no node
+    [[1], {"~": "r", "i": "0"}],
+    [[1], {"~": "r", "i": True}],
+])
+def test_decoder_rejects_references_to_no_earlier_node(root):
+    refs = b',"refs":true' if isinstance(root, list) else b""
+    header = b'{"root":' + json.dumps(root, separators=(",", ":")).encode() + b',"buffers":[]' + refs + b"}"
+    with pytest.raises(CorruptEntryError, match="reference"):
+        decode(make_blob(None, header=header))
+    ok = b'{"root":[[1],{"~":"r","i":0}],"buffers":[],"refs":true}'
+    first, second = decode(make_blob(None, header=ok))
+    assert first is second == [1]
