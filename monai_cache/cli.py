@@ -440,9 +440,16 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="list the classes swapped and the MONAI version; run nothing"
     )
-    parser.add_argument(
-        "--dataloader", action="store_true", help="also swap monai.data.DataLoader for monai_cache.DataLoader"
+    loader = parser.add_mutually_exclusive_group()
+    loader.add_argument(
+        "--no-dataloader",
+        dest="dataloader",
+        action="store_false",
+        help="swap the datasets only: monai.data.DataLoader stays MONAI's (by default it becomes monai_cache's "
+        "where it gives the same batches)",
     )
+    loader.add_argument("--dataloader", action="store_true", help="the default (kept for earlier scripts)")
+    parser.set_defaults(dataloader=True)
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
 
 
@@ -453,7 +460,7 @@ def _run_run(args: argparse.Namespace) -> int:
     if cmd[:1] == ["--"]:
         cmd = cmd[1:]
     env = dict(os.environ)
-    env[switch.ENV_VAR] = "dataloader" if args.dataloader else "1"
+    env[switch.ENV_VAR] = "1" if args.dataloader else switch.DATASETS_ONLY
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != switch.site_dir()]
     env["PYTHONPATH"] = os.pathsep.join([switch.site_dir(), *paths])
     if args.dry_run:

@@ -42,6 +42,8 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import mmap
 import os
 import secrets
@@ -59,7 +61,9 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from monai_cache.codec import Encoded, decode, encode
 from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
 
-__all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader"]
+__all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader", "block_path_refusal", "same_batches_only"]
+
+_log = logging.getLogger("monai_cache.loader")
 
 MAX_SEGMENTS = 64
 """Segments per worker: the most batches of one worker that can be alive in the main process at once before
@@ -324,8 +328,8 @@ class _BlockCollate:
             batch = self.collate_fn(samples)
         if ring is None:
             return _TorchPath(batch, f"batches take torch's path: {why_not}", self.token)
-        try:
-            handle = ring.put(encode(batch))
+        try:  # exact: what a decode cannot give back as torch's pickling would takes torch's path
+            handle = ring.put(encode(batch, exact=True))
         except UnsupportedValueError as e:
             return _TorchPath(batch, f"a batch takes torch's path: {e}", self.token)
         except (OSError, ValueError, RecursionError) as e:  # no memory for a segment, a value json refuses, ...
@@ -473,8 +477,71 @@ def _receive_torch_path(batch: Any, reason: str, token: str) -> Any:
     kind = reason.split(":", 1)[0]
     if (token, kind) not in _warned:
         _warned.add((token, kind))
-        warn(f"DataLoader: {reason}", BatchFallbackWarning)
+        if _SAME_BATCHES_ONLY:  # the switch's loader: the batch is torch's own; nothing for the user to do
+            _log.debug("DataLoader: %s", reason)
+        else:
+            warn(f"DataLoader: {reason}", BatchFallbackWarning)
     return batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which loaders take the block path
+# ---------------------------------------------------------------------------------------------------------
+
+_SAME_BATCHES_ONLY = False
+
+
+def same_batches_only(on: bool = True) -> None:
+    """Take the block path only with collate functions whose batches it reproduces exactly (the switch's loader).
+
+    The block path runs the collate function with ``get_worker_info()`` hidden; the collate functions of torch and
+    MONAI (:func:`block_path_refusal`) never ask for it, so their batches are the ones ``monai.data.DataLoader``
+    gives. A loader with another collate function then iterates exactly as ``monai.data.DataLoader`` (one debug
+    line says why), and a batch that takes torch's path logs a debug line instead of a
+    :class:`~monai_cache.errors.BatchFallbackWarning`. The switch turns this on in every process it reaches.
+
+    Args:
+        on: the setting for every loader of this process.
+    """
+    global _SAME_BATCHES_ONLY
+    _SAME_BATCHES_ONLY = bool(on)
+
+
+@functools.lru_cache(maxsize=1)
+def _exact_collates() -> tuple[Callable[..., Any], ...]:
+    from monai.data import utils as monai_data_utils
+
+    return (
+        monai_data_utils.list_data_collate,
+        monai_data_utils.pad_list_data_collate,
+        torch_data_utils.collate.default_collate,
+        torch_data_utils.collate.default_convert,
+    )
+
+
+def block_path_refusal(collate_fn: Any) -> str | None:
+    """Why a loader in :func:`same_batches_only` mode leaves batches of ``collate_fn`` to MONAI's path, or None.
+
+    The block path gives the same batches for torch's ``default_collate`` and ``default_convert`` and MONAI's
+    ``list_data_collate``, ``pad_list_data_collate`` and ``PadListDataCollate`` (also behind
+    ``functools.partial``): none of them asks ``get_worker_info()``, which is hidden during the collate. Any other
+    function might.
+
+    Args:
+        collate_fn: the loader's collate function.
+    """
+    fn = collate_fn.func if isinstance(collate_fn, functools.partial) else collate_fn
+    if fn in _exact_collates():
+        return None
+    from monai.transforms import PadListDataCollate
+
+    if type(fn) is PadListDataCollate:
+        return None
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return (
+        f"collate_fn {getattr(fn, '__module__', '?')}.{name} is not one whose batches the block path is known to "
+        "reproduce (torch's default_collate, MONAI's list_data_collate, pad_list_data_collate)"
+    )
 
 
 class _BlockIterator(_MultiProcessingDataLoaderIter):
@@ -574,5 +641,15 @@ class DataLoader(monai.data.DataLoader):
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
             return super()._get_iterator()
+        if _SAME_BATCHES_ONLY:
+            why = block_path_refusal(self.collate_fn)
+            if why is not None:
+                if self._block_token not in _refusals_logged:
+                    _refusals_logged.add(self._block_token)
+                    _log.debug("DataLoader: batches take monai.data.DataLoader's path: %s", why)
+                return super()._get_iterator()
         self.check_worker_number_rationality()
         return _BlockIterator(self)
+
+
+_refusals_logged: set[str] = set()

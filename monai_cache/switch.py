@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "DATASETS_ONLY",
     "ENV_VAR",
     "SWAPPED",
     "describe",
@@ -44,8 +45,12 @@ __all__ = [
 ]
 
 ENV_VAR = "MONAI_CACHE_SWITCH"
-"""``1`` turns the switch on in every Python process that starts with :func:`site_dir` on ``PYTHONPATH``;
-``dataloader`` also swaps ``monai.data.DataLoader``."""
+"""``1`` turns the switch on in every Python process that starts with :func:`site_dir` on ``PYTHONPATH``, the
+DataLoader included; ``datasets`` swaps the datasets only (``monai.data.DataLoader`` stays MONAI's).
+``dataloader``, the value of earlier releases, means ``1``."""
+
+DATASETS_ONLY = "datasets"
+"""The value of :data:`ENV_VAR` that leaves ``monai.data.DataLoader`` as MONAI's."""
 
 SWAPPED: dict[str, tuple[tuple[str, ...], str]] = {
     # name: (MONAI modules that hold it: the defining module first, then the package exporting it), our module
@@ -57,7 +62,8 @@ SWAPPED: dict[str, tuple[tuple[str, ...], str]] = {
     "DecathlonDataset": (("monai.apps.datasets", "monai.apps"), "monai_cache.apps.datasets"),
     "TciaDataset": (("monai.apps.datasets", "monai.apps"), "monai_cache.apps.datasets"),
 }
-"""What the switch replaces; ``DataLoader`` is added by ``install(dataloader=True)`` (see docs/migrating.md)."""
+"""The datasets the switch replaces; ``DataLoader`` is added unless ``install(dataloader=False)`` (see
+docs/migrating.md)."""
 
 _DATALOADER: dict[str, tuple[tuple[str, ...], str]] = {
     "DataLoader": (("monai.data.dataloader", "monai.data"), "monai_cache.loader")
@@ -87,7 +93,7 @@ def swapped_names(dataloader: bool = False) -> dict[str, tuple[tuple[str, ...], 
     """The names the switch replaces: ``{name: (MONAI modules, our module)}``.
 
     Args:
-        dataloader: include ``monai.data.DataLoader`` (``install(dataloader=True)``).
+        dataloader: include ``monai.data.DataLoader`` (the default of :func:`install`).
     """
     return {**SWAPPED, **_DATALOADER} if dataloader else dict(SWAPPED)
 
@@ -116,8 +122,10 @@ def install(dataloader: bool | None = None, children: bool = True, announce: boo
     torch nor MONAI here).
 
     Args:
-        dataloader: also swap ``monai.data.DataLoader`` for :class:`monai_cache.DataLoader`. ``None`` (default)
-            takes it from :data:`ENV_VAR` (``dataloader``), else off.
+        dataloader: also swap ``monai.data.DataLoader`` for :class:`monai_cache.DataLoader`, which then takes its
+            block path only where it gives the very batches of MONAI's loader (torch's and MONAI's collate
+            functions; :func:`monai_cache.loader.same_batches_only`). ``None`` (default): on, unless
+            :data:`ENV_VAR` is ``datasets``. ``False`` keeps MONAI's loader.
         children: set :data:`ENV_VAR` and put :func:`site_dir` on ``PYTHONPATH`` in ``os.environ``, so that the
             Python processes this one starts (spawned DataLoader workers, ``torchrun``, Auto3DSeg's trainings)
             have the switch on too. :func:`uninstall` restores both.
@@ -125,12 +133,12 @@ def install(dataloader: bool | None = None, children: bool = True, announce: boo
             in DataLoader workers, nor in ranks other than local rank 0).
     """
     if dataloader is None:
-        dataloader = os.environ.get(ENV_VAR, "").strip().lower() == "dataloader"
+        dataloader = os.environ.get(ENV_VAR, "").strip().lower() != DATASETS_ONLY
     if _State.on:
         if dataloader and not _State.dataloader:
             _State.dataloader = True
             if children and _State.environ:
-                os.environ[ENV_VAR] = "dataloader"
+                os.environ[ENV_VAR] = "1"
             if _State.patched:
                 _patch(_DATALOADER)
         return
@@ -157,6 +165,9 @@ def uninstall() -> None:
         if mod is not None:
             setattr(mod, name, original)
     _State.originals = {}
+    loader = sys.modules.get("monai_cache.loader")
+    if loader is not None:
+        loader.same_batches_only(False)
     for key, value in _State.environ.items():
         if value is None:
             os.environ.pop(key, None)
@@ -176,7 +187,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def _export_environment(dataloader: bool) -> None:
-    value = "dataloader" if dataloader else "1"
+    value = "1" if dataloader else DATASETS_ONLY
     _State.environ = {ENV_VAR: os.environ.get(ENV_VAR), "PYTHONPATH": os.environ.get("PYTHONPATH")}
     os.environ[ENV_VAR] = value
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -223,6 +234,8 @@ def _patch(names: dict[str, tuple[tuple[str, ...], str]]) -> None:
     names = {n: v for n, v in names.items() if v[0][0] in sys.modules or not v[0][0].startswith("monai.apps")}
     # ours first, all of them: each binds MONAI's originals when imported, which must not be ours already
     ours = {name: getattr(importlib.import_module(module), name) for name, (_modules, module) in names.items()}
+    if "DataLoader" in ours:  # batches exactly MONAI's: other collate functions keep MONAI's path
+        importlib.import_module("monai_cache.loader").same_batches_only(True)
     for name, (modules, _module) in names.items():
         for module in modules:
             mod = importlib.import_module(module)

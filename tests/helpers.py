@@ -35,6 +35,29 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def sharing(x, path: str = "item", seen: dict | None = None, out: list | None = None) -> list[tuple[str, str]]:
+    """Where one object (a dict, list, tensor or array) stands twice in ``x``: ``(path, path where it stood first)``
+    in walking order. Pickling (torch's DataLoader) keeps one object; so must what claims the same batches."""
+    from monai.data import MetaTensor
+
+    seen = {} if seen is None else seen
+    out = [] if out is None else out
+    if isinstance(x, (dict, list, torch.Tensor, np.ndarray)):
+        if id(x) in seen:
+            out.append((path, seen[id(x)]))
+            return out
+        seen[id(x)] = path
+    if isinstance(x, dict):
+        for k, v in x.items():
+            sharing(v, f"{path}[{k!r}]", seen, out)
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            sharing(v, f"{path}[{i}]", seen, out)
+    elif isinstance(x, MetaTensor):
+        sharing(x.__dict__, f"{path}.__dict__", seen, out)
+    return out
+
+
 def assert_same(
     a, b, path: str = "item", strides: bool = True, skip_keys: Sequence = (), key_order: bool = True
 ) -> None:

@@ -81,10 +81,14 @@ def test_manager_list_gets_the_node_cache_and_the_same_losses(runs):
     # the Manager's server holds no item (MONAI fills it: the stock run shows the list is the one the ranks read)
     assert [ours[r]["manager_items"] for r in (0, 1)] == [0, 0]
     assert stock[0]["manager_items"] == stock[1]["manager_items"] == n
-    # the same training, to the bit: the same items, crops, order and losses
+    # the same training, to the bit: the same items, crops, order, batches and losses; the switch's DataLoader is
+    # ours, and its batches came as blocks (MONAI's list_data_collate: the same batches)
     for rank in (0, 1):
         assert len(ours[rank]["losses"]) == EPOCHS * n // 2 // 2
         assert ours[rank]["losses"] == stock[rank]["losses"]
+        assert ours[rank]["digests"] == stock[rank]["digests"]
+        assert ours[rank]["loader"] == "monai_cache.loader.DataLoader" and all(ours[rank]["blocks"])
+        assert stock[rank]["loader"] == "monai.data.dataloader.DataLoader" and not any(stock[rank]["blocks"])
     # one log line in each rank (torchrun's stderr holds both ranks'), none in the workers; none without monai_cache
     assert ours[0]["stderr"].count("runtime_cache is a ListProxy") == 2
     assert "runtime_cache is a ListProxy" not in stock[0]["stderr"]

@@ -69,10 +69,10 @@ def test_switch_off_leaves_every_monai_class_as_monai(shm_dir):
 
 def test_install_swaps_every_name_and_gives_monai_results(switched, shm_dir, volumes, tmp_path):
     originals = switched
+    import monai_cache.loader
+
+    assert monai_cache.loader._SAME_BATCHES_ONLY  # the switch's loader: MONAI's batches exactly
     for (module, name), cls in _bound().items():
-        if name == "DataLoader":
-            assert cls is originals[(module, name)]  # not swapped unless asked (docs/migrating.md)
-            continue
         assert cls.__module__.startswith("monai_cache.") and cls.__name__ == name, (module, name)
         assert issubclass(cls, originals[(module, name)])
         assert _short_name_module(name) == cls.__module__  # a bundle's short _target_: ours only
@@ -166,10 +166,11 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
     assert f"MONAI {monai.__version__}" in out and not marker.exists()
     for name in switch.SWAPPED:
         assert f"monai.data.{name} -> monai_cache." in out or f"monai.apps.{name} -> monai_cache." in out
-    assert "DataLoader" not in out.split("would run")[0]
+    assert "monai.data.DataLoader -> monai_cache.loader.DataLoader" in out and f"{switch.ENV_VAR}=1 " in out
     assert not switch.installed() and monai.data.CacheDataset.__module__ == "monai.data.dataset"  # left off
-    assert main(["run", "--dry-run", "--dataloader", "--", "true"]) == 0
-    assert "monai.data.DataLoader -> monai_cache.loader.DataLoader" in capsys.readouterr().out
+    assert main(["run", "--dry-run", "--no-dataloader", "--", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "DataLoader" not in out.split("would run")[0] and f"{switch.ENV_VAR}={switch.DATASETS_ONLY} " in out
 
 
 @pytest.mark.slow

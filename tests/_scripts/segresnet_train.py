@@ -5,7 +5,8 @@
 It imports MONAI's ``CacheDataset``: the test starts it with or without the switch that makes that name ours.
 argv: data.json log_path epochs. Writes ``log_path.rank<N>.json`` per rank (the ranks share torchrun's stdout, where
 two long lines can interleave): the losses, what the Manager's list holds, and (when
-the dataset has it) ``cache_stats()`` read in this rank's main process after the last epoch.
+the dataset has it) ``cache_stats()`` read in this rank's main process after the last epoch; the loader's class, and
+each batch's digest and whether it came as one block (``batch_digest.py``).
 """
 
 import json
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from batch_digest import batch_digest, takes_block_path
 from monai.data import CacheDataset, DataLoader
 from monai.losses import DiceCELoss
 from monai.transforms import (
@@ -75,11 +77,13 @@ def main() -> None:
     model = DistributedDataParallel(torch.nn.Conv3d(1, 2, 3, padding=1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_function = DiceCELoss(to_onehot_y=True, softmax=True)
-    losses = []
+    losses, digests, blocks = [], [], []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         dist.barrier()
         for batch in loader:
+            digests.append(batch_digest(batch))
+            blocks.append(takes_block_path(batch))
             optimizer.zero_grad()
             loss = loss_function(model(batch["image"]), batch["label"])
             loss.backward()
@@ -90,7 +94,12 @@ def main() -> None:
     held = sum(item is not None for item in runtime_cache)  # what the Manager's server process holds
     dist.barrier()  # rank 0's Manager stays up until every rank has read its list
     with open(f"{log_path}.rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "losses": losses, "manager_items": held, "stats": stats}, f)
+        loader_class = f"{type(loader).__module__}.{type(loader).__qualname__}"
+        json.dump(
+            {"rank": rank, "losses": losses, "digests": digests, "blocks": blocks, "loader": loader_class,
+             "manager_items": held, "stats": stats},
+            f,
+        )
     dist.destroy_process_group()
 
 
