@@ -49,6 +49,12 @@ def switched():
     assert _bound() == before
 
 
+def _bundle_chain():
+    from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged
+
+    return Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"])])
+
+
 def _short_name_module(name: str) -> str | list[str]:
     """The module(s) a bundle's short ``_target_`` is found in (with several, MONAI warns and takes the first)."""
     from monai.bundle.config_item import ComponentLocator
@@ -174,7 +180,7 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_path):
+def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_path, monkeypatch):
     """One process tree: monai-cache run -> python -m monai.bundle run -> a spawned worker and two children."""
     pytest.importorskip("fire", reason="monai.bundle's command line needs 'fire' (in the test extras)")
     config = {
@@ -194,7 +200,8 @@ def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_pat
             "transform": "@transform",
             "cache_dir": str(tmp_path / "pd"),
         },
-        "run": ["$switch_probe.report(@dataset, @persistent)"],
+        "loader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 2, "num_workers": 2},
+        "run": ["$switch_probe.report(@dataset, @persistent, @loader)"],
     }
     (tmp_path / "bundle.json").write_text(json.dumps(config))
     other = tmp_path / "other_site"  # a sitecustomize the switch's own must run too
@@ -220,6 +227,14 @@ def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_pat
     assert (
         facts["entries"] == 3 and len(keys) == 3 and keys[0] == keys[2] and {"image", "label", "case"} <= set(keys[0])
     )
+    # the short name DataLoader is ours (MONAI's list_data_collate): every batch a block, byte-identical to stock's
+    monkeypatch.syspath_prepend(SCRIPTS)
+    from batch_digest import batch_digest
+
+    stock_ds = monai.data.CacheDataset(volumes[:3], transform=_bundle_chain(), progress=False)
+    stock = [batch_digest(b) for b in monai.data.DataLoader(stock_ds, batch_size=2, num_workers=2)]
+    assert facts["loader"] == "monai_cache.loader.DataLoader" and facts["blocks"] == [True, True]
+    assert facts["digests"] == stock
     # monai-cache top, a child of the bundle's process, lists the cache the switch made
     assert 3 in facts["top"]
     # a spawned DataLoader worker: a fresh interpreter, with the switch on

@@ -24,8 +24,9 @@ def in_worker(item: object) -> dict:
     }
 
 
-def report(dataset, persistent) -> None:
+def report(dataset, persistent, loader=None) -> None:
     import monai.data
+    from batch_digest import batch_digest, takes_block_path
 
     facts: dict = {
         "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
@@ -35,6 +36,11 @@ def report(dataset, persistent) -> None:
         "chained": os.environ.get("SWITCH_PROBE_CHAINED", ""),
         "pid": os.getpid(),
     }
+    if loader is not None:  # the bundle's own DataLoader, by its short name
+        batches = list(loader)
+        facts["loader"] = f"{type(loader).__module__}.{type(loader).__qualname__}"
+        facts["digests"] = [batch_digest(b) for b in batches]
+        facts["blocks"] = [takes_block_path(b) for b in batches]
     loader = monai.data.DataLoader(
         monai.data.Dataset([0], transform=in_worker), batch_size=1, num_workers=1, multiprocessing_context="spawn"
     )
