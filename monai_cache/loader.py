@@ -612,15 +612,13 @@ class DataLoader(monai.data.DataLoader):
     :mod:`monai_cache.codec` into a reusable memfd segment, and decoded zero-copy in the main process; a
     segment is reused only once no tensor of its batch is referenced any more. See :mod:`monai_cache.loader`.
 
-    Differences a user may notice (both also documented in ``docs/loader.md``):
-
-    * inside the collate function, in a worker, ``torch.utils.data.get_worker_info()`` returns None (so that
-      ``default_collate`` stacks into ordinary memory instead of fresh shared memory);
-    * objects that appear twice in one batch come out as two equal objects, not one; tensors are contiguous
-      (or a permutation of contiguous) rather than keeping the strides they had in the worker.
-
-    A batch holding a value the codec cannot store (e.g. a ``set`` or a custom object) takes torch's ordinary
-    path, with one :class:`~monai_cache.errors.BatchFallbackWarning` per loader.
+    The difference a collate function may notice (also documented in ``docs/loader.md``): inside it, in a worker,
+    ``torch.utils.data.get_worker_info()`` returns None (so that ``default_collate`` stacks into ordinary memory
+    instead of fresh shared memory); under the switch (:func:`same_batches_only`), a loader whose collate function
+    is not torch's or MONAI's iterates as ``monai.data.DataLoader`` instead. Batches are encoded exactly (objects
+    shared within a batch stay shared, tensors keep their strides); a batch that cannot be (a view of part of a
+    tensor's memory, tensors sharing memory, a value the codec cannot store such as a ``set``) takes torch's
+    ordinary path, with one :class:`~monai_cache.errors.BatchFallbackWarning` per loader and reason.
 
     Args:
         dataset: dataset from which to load the data.
