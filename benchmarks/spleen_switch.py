@@ -13,7 +13,8 @@ a sum of each batch standing for the training step. It is run three ways per rep
 Every epoch of every run is printed: wall, and CPU of the script and its DataLoader workers (``getrusage`` of the
 process and of its reaped children: workers end with each epoch), then the median of the per-repeat ratios of the
 warm epochs (2..N) against ``stock`` of the same repeat. Each run then reads one more epoch, untimed, recording a
-digest of every batch (``tests/_scripts/batch_digest.py``'s): the line ``same batches`` compares them with stock's. Usage::
+digest of every batch (``tests/_scripts/batch_digest.py``'s): the line ``same batches`` compares them with
+stock's. Usage::
 
     python benchmarks/spleen_switch.py                   # 16 volumes of 160x160x96, 4 epochs, 3 repeats
     python benchmarks/spleen_switch.py --items 8 --shape 96x96x64 --repeats 1
@@ -48,8 +49,8 @@ from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transfor
 torch.set_num_threads(1)
 files = make_dataset({data!r}, items={items}, shape={shape!r})
 set_determinism(seed=0)
-ds = CacheDataset(files, tutorial_transforms(spatial_size=crop_size_for({shape!r}, (96, 96, 64)), num_samples=4), cache_rate=1.0,
-                  num_workers=2, progress=False)
+chain = tutorial_transforms(spatial_size=crop_size_for({shape!r}, (96, 96, 64)), num_samples=4)
+ds = CacheDataset(files, chain, cache_rate=1.0, num_workers=2, progress=False)
 loader = DataLoader(ds, batch_size=2, shuffle=True, num_workers=2)
 
 
