@@ -3,7 +3,8 @@
 In this process: off, nothing is patched; on, every name is ours, results equal MONAI's, a bundle's short
 ``_target_`` finds ours, a module imported before gets one warning naming it; ``run --dry-run``. One subprocess:
 a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
-and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line.
+and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line. Another:
+a chaining sitecustomize on either side of ours, each run once.
 The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
 """
 
@@ -170,6 +171,47 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
     assert not switch.installed() and monai.data.CacheDataset.__module__ == "monai.data.dataset"  # left off
     assert main(["run", "--dry-run", "--dataloader", "--", "true"]) == 0
     assert "monai.data.DataLoader -> monai_cache.loader.DataLoader" in capsys.readouterr().out
+
+
+_CHAIN_AFTER_OWN_DIRECTORY = """\
+import importlib.machinery, importlib.util, os, sys
+print("{name} ran", flush=True)
+here = os.path.dirname(os.path.abspath(__file__))
+after = sys.path[[os.path.abspath(p) for p in sys.path].index(here) + 1 :]
+spec = importlib.machinery.PathFinder.find_spec("sitecustomize", after)
+if spec is not None:
+    sys.modules["sitecustomize"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+"""
+_CHAIN_WHOLE_PATH_LESS_OWN = """\
+import os, sys
+print("{name} ran", flush=True)
+here = os.path.dirname(os.path.abspath(__file__))
+saved = list(sys.path)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p) != here]
+del sys.modules["sitecustomize"]
+try:
+    import sitecustomize
+except ImportError:
+    pass
+sys.path[:] = saved
+"""
+
+
+def test_sitecustomize_chain_runs_each_once(tmp_path):
+    """A chaining ``sitecustomize`` before ours (a launcher prepended its directory) and one after: each runs once,
+    and the switch is on. One interpreter. ``before`` chains to the entries after its own directory, leaving the path
+    whole (ours found it again and ran it twice); ``after`` chains to the whole path less its own directory, which
+    finds ``before`` again unless ours hides the entries before it."""
+    for name, text in (("before", _CHAIN_AFTER_OWN_DIRECTORY), ("after", _CHAIN_WHOLE_PATH_LESS_OWN)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sitecustomize.py").write_text(text.format(name=name))
+    path = [str(tmp_path / "before"), switch.site_dir(), str(tmp_path / "after"), REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), switch.ENV_VAR: "1"}
+    code = "from monai_cache import switch; print('switch on' if switch.installed() else 'switch off')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["before ran", "after ran", "switch on"], p.stdout + p.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -22,12 +22,19 @@ def _switch_on() -> None:
 
 
 def _chain() -> None:
-    """Run the next ``sitecustomize`` on the path (a distribution's, a virtual environment's), as if this one
-    were not here."""
+    """Run the next ``sitecustomize`` on the path after this one's directory (a distribution's, a virtual
+    environment's), as if this one were not there.
+
+    Only the entries after ours are searched, and only they are on ``sys.path`` while it runs: one before ours
+    (a launcher prepended it) ran first, and ran this one by chaining to what follows it; found again, it would
+    run twice. Ours not on the path at all (loaded some other way): every entry but ours.
+    """
     here = os.path.dirname(os.path.abspath(__file__))
+    entries = [os.path.abspath(p or os.curdir) for p in sys.path]
+    after = entries.index(here) + 1 if here in entries else 0
     this = sys.modules.pop("sitecustomize", None)
     saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    sys.path[:] = [p for p, e in zip(saved[after:], entries[after:]) if e != here]
     try:
         import sitecustomize  # noqa: F401 - the shadowed one
     except ImportError as e:
