@@ -1,6 +1,6 @@
 """The keeper: a tiny detached process that keeps a shared-memory cache while its job may still need it.
 
-A cache lives while some process holds its lease (``monai_cache.shm_directory``). Two cases want it to live
+A cache lives while some process holds its lease (``monai_cache.shm_lifetime``). Two cases want it to live
 longer than the processes that read it:
 
 * **torchrun restarts.** When a rank fails, torchrun's elastic agent stops every rank of the node and starts them
@@ -35,6 +35,7 @@ import sys
 import time
 
 from monai_cache.runtime import pid_alive
+from monai_cache.shm_lifetime import release_keeper
 
 __all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent", "wait_for_keepers"]
 
@@ -214,8 +215,6 @@ def _linger(path: str, linger: float) -> None:
 
 def main(args: list[str]) -> None:
     """The keeper process: ``path root anchor_pid anchor_start linger`` (see :func:`start`)."""
-    from monai_cache.shm_directory import release_keeper
-
     path, root, pid, start_time, linger = args[0], args[1], int(args[2]), int(args[3]), float(args[4])
     with contextlib.suppress(OSError):
         os.setsid()  # a session of its own (the first fork had one; we are not its leader)

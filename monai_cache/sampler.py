@@ -6,278 +6,44 @@ cache that lives in one process (or one machine) holds the right item only ``1 /
 run and only reorders it from epoch to epoch, so from the second epoch on every read is a cache hit.
 
 The order of an epoch is a pure function of the seed, the epoch, the dataset length and the layout (world size,
-ranks per node), so a state saved mid-epoch tells every rank what the others had read: an epoch resumes exactly
-on the same layout, or with its remaining items re-dealt over another one (``_segment_plan``). With
-``canonical_shards`` the global order does not depend on the world size at all.
+ranks per node: :mod:`monai_cache.sampler_order`), so a state saved mid-epoch tells every rank what the others had
+read: an epoch resumes exactly on the same layout, or with its remaining items re-dealt over another one
+(:mod:`monai_cache.sampler_resume`). With ``canonical_shards`` the global order does not depend on the world size
+at all. This module holds the sampler itself and how it finds the ranks of each node.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from monai_cache.errors import MonaiCacheWarning, warn
 from monai_cache.runtime import node_identity
+from monai_cache.sampler_order import (
+    SHARD_BY,
+    EpochSpec,
+    is_int,
+    order_group,
+    rank_epoch_indices,
+    rank_length,
+    strided_shard,
+)
+from monai_cache.sampler_resume import (
+    PER_RANK_KEYS,
+    STATE_VERSION,
+    check_state,
+    history_entry,
+    segment_plan,
+    segments_of_state,
+)
 
 __all__ = ["ShardedDistributedSampler"]
-
-
-_SHARD_BY = ("rank", "node")
-_MASK64 = (1 << 64) - 1
-_STATE_VERSION = 2  # 1: no "version" key, one layout per state; 2: "rank", "consumed_by_rank", "resumed_from"
-# keys of ``state_dict()`` a mid-epoch resume needs unchanged (the order of the epoch depends on them)
-_ORDER_KEYS = ("shuffle", "drop_last", "even_divisible", "canonical_shards")
-# keys of the layout a state was saved with; another layout re-deals the rest of the epoch
-_LAYOUT_KEYS = ("num_replicas", "shard_by", "local_world_size")
-_PER_RANK_KEYS = ("consumed", "rank", "consumed_by_rank")
-
-
-def _is_int(value: object) -> bool:
-    """An integer, Python's or numpy's (as torch's DistributedSampler accepts), but not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _mix_seed(*values: int) -> int:
-    """Mix integers into one 63-bit seed (splitmix64 finaliser), identical in every process.
-
-    ``seed + epoch`` (what torch uses) would give shard ``g`` in epoch ``e`` the same generator as shard
-    ``g + 1`` in epoch ``e - 1``; mixing keeps the per-shard permutations unrelated.
-    """
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h >> 1
-
-
-def _strided_shard(n: int, world: int, first: int, count: int) -> torch.Tensor:
-    """Items ``x`` in ``[0, n)`` with ``first <= x % world < first + count``, ascending.
-
-    With ``count == 1`` this is rank ``first``'s shard ``first, first + world, ...``; with ``count ==
-    local_world_size`` it is the union of the shards of one node's ranks.
-    """
-    starts = torch.arange(0, n, world, dtype=torch.int64)
-    idx = (starts[:, None] + torch.arange(first, first + count, dtype=torch.int64)[None, :]).reshape(-1)
-    return idx[idx < n]
-
-
-def _fit_to_length(shard: torch.Tensor, length: int, epoch: int, n: int, group: int) -> torch.Tensor:
-    """Return exactly ``length`` items drawn from ``shard`` for ``epoch``: all of it, minus or plus a window.
-
-    Too many items: a window of ``d = len(shard) - length`` consecutive positions is left out, and the window
-    moves by ``d`` each epoch. Too few: the ``p = length - len(shard)`` missing reads are filled with a window
-    of the shard's own items that moves by ``p`` each epoch. Over any ``len(shard)`` consecutive epochs each
-    position is therefore left out exactly ``d`` times (so seen ``len(shard) - d >= 1`` times) or padded
-    exactly ``p`` times (so not duplicated in at least one epoch when ``p < len(shard)``). The window starts
-    at an offset given by the shard number ``group``, so shards do not all pick their first item together.
-
-    An empty shard (only when ``len(dataset) < num_replicas``) borrows a rotating window of the whole dataset.
-    """
-    size = int(shard.numel())
-    if size == 0:
-        return (torch.arange(length, dtype=torch.int64) + (group + epoch) * length) % n
-    if length <= size:
-        drop = size - length
-        if drop == 0:
-            return shard
-        keep = torch.ones(size, dtype=torch.bool)
-        keep[(torch.arange(drop, dtype=torch.int64) + (epoch + group) * drop) % size] = False
-        return shard[keep]
-    pad = length - size
-    return torch.cat([shard, shard[(torch.arange(pad, dtype=torch.int64) + (epoch + group) * pad) % size]])
-
-
-_CANONICAL_TAG = 1 << 40  # seeds of canonical shards, unrelated to the default order's (seed, epoch, node)
-_RESUME_TAG = 1 << 41  # seeds of the re-dealt remainder of an epoch resumed on another layout
-
-
-@dataclass(frozen=True)
-class _EpochSpec:
-    """What an epoch's order depends on, apart from the layout: the same for every segment of one epoch."""
-
-    n: int
-    seed: int
-    epoch: int
-    shuffle: bool
-    drop_last: bool
-    even_divisible: bool
-    canonical: int | None
-
-
-def _order_group(local_world_size: int, shard_by: str, shuffle: bool, canonical: int | None) -> int:
-    """Ranks that share one shuffled shard: the node's in node mode with ``shuffle``, else 1 (a rank's own)."""
-    return local_world_size if shard_by == "node" and shuffle and canonical is None else 1
-
-
-def _rank_length(spec: _EpochSpec, world: int, rank: int) -> int:
-    """Indices rank ``rank`` yields in a full epoch: torch's ``ceil`` / ``floor``, or its whole shard."""
-    if not spec.even_divisible:
-        return len(range(rank, spec.n, world))
-    return spec.n // world if spec.drop_last else math.ceil(spec.n / world)
-
-
-def _canonical_sequence(n: int, canonical: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """The epoch's global order with ``canonical`` shards: a function of ``n``, the seed and the epoch alone.
-
-    Canonical shard ``c`` holds the items ``x`` with ``x % canonical == c``; each is permuted on its own, and
-    position ``j * canonical + c`` of the global order holds shard ``c``'s ``j``-th item. So item ``x`` always
-    sits at a position congruent to ``x`` modulo ``canonical``: dealt round-robin to ``W`` ranks (``W`` divides
-    ``canonical``), position ``p`` goes to rank ``p % W``, which owns ``x % W`` (its default shard).
-    """
-    rounds = math.ceil(n / canonical)
-    grid = torch.full((canonical, rounds), -1, dtype=torch.int64)
-    for c in range(min(canonical, n)):
-        shard = torch.arange(c, n, canonical, dtype=torch.int64)
-        if shuffle and shard.numel() > 1:
-            gen = torch.Generator()
-            gen.manual_seed(_mix_seed(seed, epoch, c, _CANONICAL_TAG))
-            shard = shard[torch.randperm(int(shard.numel()), generator=gen)]
-        grid[c, : shard.numel()] = shard
-    seq = grid.t().reshape(-1)
-    return seq[seq >= 0]
-
-
-def _rank_epoch_indices(spec: _EpochSpec, world: int, group: int, rank: int) -> list[int]:
-    """All indices rank ``rank`` yields in a full epoch: a pure function of the spec and the layout."""
-    n = spec.n
-    length = _rank_length(spec, world, rank)
-    if spec.canonical is not None:
-        own = _canonical_sequence(n, spec.canonical, spec.seed, spec.epoch, spec.shuffle)[rank::world]
-        size = int(own.numel())
-        if length <= size:
-            return cast(list[int], own[:length].tolist())
-        if size == 0:  # fewer items than ranks: borrow a rotating window, as the default order does
-            return cast(list[int], ((torch.arange(length) + (rank + spec.epoch) * length) % n).tolist())
-        return cast(list[int], torch.cat([own, own[torch.arange(length - size) % size]]).tolist())
-    node, local = divmod(rank, group)
-    shard = _strided_shard(n, world, node * group, group)
-    if spec.even_divisible:
-        seq = _fit_to_length(shard, group * length, spec.epoch, n, node)
-        lo = local * length
-        hi = lo + length
-    else:
-        seq = shard
-        sizes = [len(range(node * group + j, n, world)) for j in range(group)]
-        lo = sum(sizes[:local])
-        hi = lo + sizes[local]
-    if spec.shuffle:
-        gen = torch.Generator()
-        gen.manual_seed(_mix_seed(spec.seed, spec.epoch, node))
-        seq = seq[torch.randperm(int(seq.numel()), generator=gen)]
-    return cast(list[int], seq[lo:hi].tolist())
-
-
-def _rank_targets(spec: _EpochSpec, remaining: int, world: int, group: int, have: Sequence[int]) -> list[int]:
-    """Indices each new rank yields in the rest of a resumed epoch, with torch's semantics for the remainder.
-
-    ``even_divisible=True``: every rank the same number, ``ceil(remaining / world)`` (short ranks pad) or with
-    ``drop_last`` ``floor`` (at most ``world - 1`` items left out). ``False``: every item once, ranks differ by
-    at most one; the longer ranks are those whose owners (``have``: items per owner) hold the most items.
-    """
-    if spec.even_divisible:
-        return [remaining // world if spec.drop_last else math.ceil(remaining / world)] * world
-    base, extra = divmod(remaining, world)
-    extras = [0] * len(have)
-    for o in sorted(range(len(have)), key=lambda o: -(have[o] - group * base)):
-        extras[o] = min(group, extra, max(0, have[o] - group * base))
-        extra -= extras[o]
-    for o in range(len(have)):  # what is left goes wherever there is room
-        more = min(group - extras[o], extra)
-        extras[o] += more
-        extra -= more
-    return [base + (1 if r % group < extras[r // group] else 0) for r in range(world)]
-
-
-def _redeal(spec: _EpochSpec, remaining: Sequence[int], world: int, group: int, segment: int) -> list[list[int]]:
-    """Deal the items an interrupted epoch had not given (``remaining``, in order) over a new layout.
-
-    Each item goes to its owner in the new layout (the rank, or node, whose shard holds it, where the next
-    epochs read it too), so the reads fill the caches that keep it. Owners are balanced with the fewest moves:
-    an owner with more items than its ranks' share hands its last ones to owners with fewer. What is still
-    short is padded with the owner's own items (``drop_last=False``); what is over is left out
-    (``drop_last=True``). ``remaining`` is ascending, or in canonical order (kept, so the global order goes on).
-    """
-    owners = world // group
-    by_owner: list[list[int]] = [[] for _ in range(owners)]
-    for x in remaining:
-        by_owner[(x % world) // group].append(x)
-    if spec.shuffle and spec.canonical is None:
-        for o, items in enumerate(by_owner):
-            if len(items) > 1:
-                gen = torch.Generator()
-                gen.manual_seed(_mix_seed(spec.seed, spec.epoch, o, _RESUME_TAG, segment))
-                by_owner[o] = [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
-    targets = _rank_targets(spec, len(remaining), world, group, [len(items) for items in by_owner])
-    owner_targets = [sum(targets[o * group : (o + 1) * group]) for o in range(owners)]
-    kept = [items[:t] for items, t in zip(by_owner, owner_targets)]
-    pool = [x for items, t in zip(by_owner, owner_targets) for x in items[t:]]
-    taken = 0
-    for o in range(owners):
-        need = max(0, owner_targets[o] - len(kept[o]))
-        kept[o] += pool[taken : taken + need]
-        taken += len(pool[taken : taken + need])
-    if not spec.shuffle or spec.canonical is not None:
-        order = {x: i for i, x in enumerate(remaining)}
-        kept = [sorted(items, key=order.__getitem__) for items in kept]
-    for o in range(owners):
-        need = owner_targets[o] - len(kept[o])
-        source = by_owner[o] or list(remaining)
-        kept[o] += [source[i % len(source)] for i in range(need)]
-    plan = []
-    for r in range(world):
-        o = r // group
-        lo = sum(targets[o * group : r])
-        plan.append(kept[o][lo : lo + targets[r]])
-    return plan
-
-
-def _segment_plan(
-    spec: _EpochSpec, segments: Sequence[tuple[int, int, Sequence[int]]], world: int, group: int
-) -> list[list[int]]:
-    """Every rank's indices for a layout ``(world, group)`` that resumes an epoch after ``segments``.
-
-    ``segments`` are the earlier parts of the epoch, each ``(world, group, consumed_by_rank)``: the first one
-    ran the full epoch of its layout; each later one the remainder re-dealt by :func:`_redeal`. With no
-    segments this is the full epoch. A pure function of its arguments.
-
-    Raises:
-        ValueError: a consumed count is outside ``[0, length of that rank's indices]``.
-    """
-    if not segments:
-        return [_rank_epoch_indices(spec, world, group, r) for r in range(world)]
-    position: dict[int, int] = {}
-    if spec.canonical is not None:  # the remainder keeps the canonical order, so the global order goes on
-        sequence = _canonical_sequence(spec.n, spec.canonical, spec.seed, spec.epoch, spec.shuffle).tolist()
-        position = {x: p for p, x in enumerate(sequence)}
-    remaining: list[int] = []
-    for i, (world_i, group_i, consumed) in enumerate(segments):
-        if i == 0:
-            plan_i = [_rank_epoch_indices(spec, world_i, group_i, r) for r in range(world_i)]
-        else:
-            plan_i = _redeal(spec, remaining, world_i, group_i, i)
-        given: set[int] = set()
-        for r, (indices, c) in enumerate(zip(plan_i, consumed)):
-            if not 0 <= c <= len(indices):
-                raise ValueError(
-                    f"rank {r} of the saved layout (num_replicas={world_i}) consumed {c} indices, but yields "
-                    f"{len(indices)} in this part of epoch {spec.epoch}"
-                )
-            given.update(indices[:c])
-        left = {x for indices in plan_i for x in indices} - given
-        remaining = sorted(left, key=position.__getitem__) if position else sorted(left)
-    return _redeal(spec, remaining, world, group, len(segments))
 
 
 # identities of the ranks of a process group, gathered once per group (and process)
@@ -364,146 +130,6 @@ def _local_world_size_of_process_group(num_replicas: int, rank: int) -> int:
         "and rank left out or equal to the group's (the ranks of each machine are then found by one all-gather "
         "of host names), or run under torchrun, which sets LOCAL_WORLD_SIZE."
     )
-
-
-def _is_mid_epoch(state: Mapping[str, Any]) -> bool:
-    """Whether the state is inside an epoch (a state that carries per-rank counts or earlier layouts is checked as
-    one, so a corrupt one is refused rather than read as an epoch boundary)."""
-    return bool(state.get("consumed", 0)) or "consumed_by_rank" in state or "resumed_from" in state
-
-
-def _check_layout(where: str, layout: Mapping[str, Any], counts_key: str | None) -> None:
-    """Check one saved layout (the state's, or one of ``resumed_from``) is well formed; else a ValueError."""
-    for key in _LAYOUT_KEYS + ((counts_key,) if counts_key else ()):
-        if key not in layout:
-            raise ValueError(
-                f"{where} has no {key!r} (keys: {sorted(layout)}): the checkpoint is corrupt or not from "
-                "ShardedDistributedSampler.state_dict(); save sampler.state_dict() again, or start the epoch over "
-                "(load a state with consumed=0)."
-            )
-    world, shard_by, local = layout["num_replicas"], layout["shard_by"], layout["local_world_size"]
-    bad = None
-    if not _is_int(world) or world < 1:
-        bad = f"num_replicas={world!r} is not a positive int"
-    elif shard_by not in _SHARD_BY:
-        bad = f"shard_by={shard_by!r} is not 'rank' or 'node'"
-    elif not _is_int(local) or local < 1 or world % local:
-        bad = f"local_world_size={local!r} does not divide num_replicas={world}"
-    elif counts_key is not None:
-        counts = layout[counts_key]
-        if not isinstance(counts, Sequence) or len(counts) != world or not all(_is_int(c) and c >= 0 for c in counts):
-            bad = f"{counts_key}={counts!r} is not {world} counts >= 0 (one per rank)"
-    if bad:
-        raise ValueError(
-            f"{where}: {bad}. The checkpoint is corrupt; save sampler.state_dict() again, or start the epoch over "
-            "(load a state with consumed=0)."
-        )
-
-
-def _saved_order_group(layout: Mapping[str, Any], sampler: ShardedDistributedSampler) -> int:
-    return _order_group(
-        layout["local_world_size"],
-        layout["shard_by"],
-        sampler.shuffle,
-        sampler.canonical_shards,
-    )
-
-
-def _check_state(sampler: ShardedDistributedSampler, state: Mapping[str, Any]) -> None:
-    """Refuse a state this sampler cannot resume exactly, naming the field and what to do (issue: nothing is
-    silently re-dealt when the dataset, the seed or the order's options differ)."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"a sampler state is the dict from sampler.state_dict(), got {type(state).__name__}.")
-    if "epoch" not in state:
-        raise ValueError(f"state_dict has no 'epoch' key (keys: {sorted(state)}); pass sampler.state_dict().")
-    version = state.get("version", 1)
-    if not _is_int(version) or not 1 <= version <= _STATE_VERSION:
-        raise ValueError(
-            f"state_dict['version']={version!r}: this monai_cache reads sampler states of versions 1 to "
-            f"{_STATE_VERSION}; the state was saved by a newer monai_cache (upgrade this one) or is corrupt."
-        )
-    for key in ("epoch", "seed", "consumed"):
-        if key in state and not _is_int(state[key]):
-            raise ValueError(f"state_dict[{key!r}] must be an int, got {state[key]!r}.")
-    for key in ("epoch", "consumed"):
-        if state.get(key, 0) < 0:
-            raise ValueError(f"state_dict[{key!r}] must be >= 0, got {state[key]}.")
-    if "dataset_len" in state and state["dataset_len"] != sampler._dataset_len:
-        raise ValueError(
-            f"the state was saved for a dataset of {state['dataset_len']!r} items, this sampler's has "
-            f"{sampler._dataset_len} (dataset_len differs): the order of every epoch depends on the length, so "
-            "the state cannot be resumed. Load it with the same data list, or start this dataset from epoch 0 "
-            "without loading the sampler state."
-        )
-    if "seed" in state and state["seed"] != sampler.seed:
-        raise ValueError(
-            f"the state was saved with seed={state['seed']}, this sampler has seed={sampler.seed} (seed differs): "
-            f"every epoch's order depends on it. Build the sampler with seed={state['seed']} to resume that "
-            "run, or do not load the state to start a new order."
-        )
-    if not _is_mid_epoch(state):
-        return
-    current = {
-        "shuffle": sampler.shuffle,
-        "drop_last": sampler.drop_last,
-        "even_divisible": sampler.even_divisible,
-        "canonical_shards": sampler.canonical_shards,
-    }
-    for key in _ORDER_KEYS:
-        saved = state.get(key, None if key == "canonical_shards" else current[key])
-        if saved != current[key]:
-            raise ValueError(
-                f"cannot resume in the middle of epoch {state['epoch']}: the state was saved with {key}={saved!r}, "
-                f"this sampler has {key}={current[key]!r} ({key} differs) and the order of the epoch depends on it. "
-                f"Build the sampler with {key}={saved!r} to finish this epoch, or resume from an epoch boundary "
-                "(a state with consumed=0, e.g. the next epoch's)."
-            )
-    if "dataset_len" not in state:
-        raise ValueError(
-            f"state_dict has no 'dataset_len' (keys: {sorted(state)}): the checkpoint is corrupt or not from "
-            "ShardedDistributedSampler.state_dict(); save sampler.state_dict() again."
-        )
-    _check_layout("state_dict", state, "consumed_by_rank" if "consumed_by_rank" in state else None)
-    history = state.get("resumed_from", [])
-    if not isinstance(history, Sequence) or not all(isinstance(h, Mapping) for h in history):
-        raise ValueError(
-            f"state_dict['resumed_from'] must be a list of layouts, got {history!r}; the checkpoint is corrupt."
-        )
-    for i, layout in enumerate(history):
-        _check_layout(f"state_dict['resumed_from'][{i}]", layout, "consumed_by_rank")
-    same = (state["num_replicas"], _saved_order_group(state, sampler)) == (
-        sampler.num_replicas,
-        sampler._group_size_for_order(),
-    )
-    if not same and not sampler.even_divisible and "consumed_by_rank" not in state:
-        raise ValueError(
-            f"with even_divisible=False ranks differ in length, so one rank's count (consumed={state['consumed']}) "
-            f"does not tell what the other ranks of the saved layout (num_replicas={state['num_replicas']}) had "
-            "read; a resume on another layout needs every rank's count: save state_dict(gather=True) on every "
-            "rank, or merge_states() of every rank's state_dict()."
-        )
-
-
-def _segments_of_state(
-    sampler: ShardedDistributedSampler, state: Mapping[str, Any]
-) -> list[tuple[int, int, list[int]]]:
-    """The parts of the saved epoch, oldest first, as ``(world, order group, consumed_by_rank)``; none at a
-    boundary. One count for all ranks (lockstep) when the state has no ``consumed_by_rank``."""
-    if not _is_mid_epoch(state):
-        return []
-    segments = [
-        (int(h["num_replicas"]), _saved_order_group(h, sampler), [int(c) for c in h["consumed_by_rank"]])
-        for h in state.get("resumed_from", [])
-    ]
-    counts = state.get("consumed_by_rank") or [state.get("consumed", 0)] * state["num_replicas"]
-    if not segments and not any(counts):  # nothing read yet: an epoch boundary, the full epoch of the new layout
-        return []
-    segments.append((int(state["num_replicas"]), _saved_order_group(state, sampler), [int(c) for c in counts]))
-    return segments
-
-
-def _history_entry(layout: Mapping[str, Any], counts: Sequence[int]) -> dict[str, Any]:
-    return {**{k: layout[k] for k in _LAYOUT_KEYS}, "consumed_by_rank": [int(c) for c in counts]}
 
 
 class ShardedDistributedSampler(DistributedSampler):
@@ -646,9 +272,9 @@ class ShardedDistributedSampler(DistributedSampler):
             if not dist.is_available():
                 raise RuntimeError("Requires distributed package to be available")
             rank = dist.get_rank()
-        if not _is_int(num_replicas) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int (the world size), got {num_replicas!r}.")
-        if not _is_int(rank) or not 0 <= rank < num_replicas:
+        if not is_int(rank) or not 0 <= rank < num_replicas:
             raise ValueError(
                 f"rank={rank!r} is out of range for num_replicas={num_replicas}: it must be an int in "
                 f"[0, {num_replicas - 1}]. Pass this process's rank, or leave rank=None to read it from "
@@ -660,7 +286,7 @@ class ShardedDistributedSampler(DistributedSampler):
                 "dataset is empty (len(dataset) == 0), so there is nothing to shard; check the data list "
                 "before building the sampler."
             )
-        if shard_by not in _SHARD_BY:
+        if shard_by not in SHARD_BY:
             raise ValueError(f"shard_by must be 'rank' or 'node', got {shard_by!r}.")
         if not even_divisible:
             if drop_last:
@@ -681,7 +307,7 @@ class ShardedDistributedSampler(DistributedSampler):
                 "items; use drop_last=False (pads by repeating items) or fewer ranks."
             )
         if canonical_shards is not None:
-            if not _is_int(canonical_shards) or canonical_shards < 1:
+            if not is_int(canonical_shards) or canonical_shards < 1:
                 raise ValueError(f"canonical_shards must be a positive int or None, got {canonical_shards!r}.")
             canonical_shards = int(canonical_shards)
             if canonical_shards % num_replicas:
@@ -735,7 +361,7 @@ class ShardedDistributedSampler(DistributedSampler):
                     raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
             else:
                 return _local_world_size_of_process_group(num_replicas, rank)
-        if not _is_int(local_world_size) or local_world_size < 1:
+        if not is_int(local_world_size) or local_world_size < 1:
             raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}.")
         local_world_size = int(local_world_size)
         if num_replicas % local_world_size != 0:
@@ -762,8 +388,8 @@ class ShardedDistributedSampler(DistributedSampler):
 
     # ------------------------------------------------------------------ indices
 
-    def _spec(self, epoch: int) -> _EpochSpec:
-        return _EpochSpec(
+    def _spec(self, epoch: int) -> EpochSpec:
+        return EpochSpec(
             self._dataset_len,
             self.seed,
             epoch,
@@ -775,7 +401,7 @@ class ShardedDistributedSampler(DistributedSampler):
 
     def _group_size_for_order(self) -> int:
         # shuffle=False (and the canonical order) yields each rank's own shard, in both modes.
-        return _order_group(self.local_world_size, self.shard_by, self.shuffle, self.canonical_shards)
+        return order_group(self.local_world_size, self.shard_by, self.shuffle, self.canonical_shards)
 
     def shard_indices(self) -> list[int]:
         """The fixed, ascending dataset indices owned by this rank (``shard_by="rank"``) or node (``"node"``).
@@ -787,11 +413,11 @@ class ShardedDistributedSampler(DistributedSampler):
         """
         group = self.local_world_size
         node = self.rank // group
-        return _strided_shard(self._dataset_len, self.num_replicas, node * group, group).tolist()
+        return strided_shard(self._dataset_len, self.num_replicas, node * group, group).tolist()
 
     def indices_for_epoch(self, epoch: int) -> list[int]:
         """All indices this rank yields in a full ``epoch`` (from its start), without changing state."""
-        return _rank_epoch_indices(self._spec(epoch), self.num_replicas, self._group_size_for_order(), self.rank)
+        return rank_epoch_indices(self._spec(epoch), self.num_replicas, self._group_size_for_order(), self.rank)
 
     def __iter__(self) -> Iterator[int]:
         if len(cast(Sized, self.dataset)) != self._dataset_len:
@@ -849,7 +475,7 @@ class ShardedDistributedSampler(DistributedSampler):
             start_index: number of indices of this epoch already consumed, in ``[0, num_samples]``.
         """
         length = self._pass_length()
-        if not _is_int(start_index) or not 0 <= start_index <= length:
+        if not is_int(start_index) or not 0 <= start_index <= length:
             raise ValueError(
                 f"start_index must be an int in [0, {length}] (this rank's epoch length), got {start_index!r}."
             )
@@ -884,11 +510,11 @@ class ShardedDistributedSampler(DistributedSampler):
         length = self._pass_length()
         if consumed is None:
             consumed = self._consumed
-        elif not _is_int(consumed) or not 0 <= consumed <= length:
+        elif not is_int(consumed) or not 0 <= consumed <= length:
             raise ValueError(f"consumed must be an int in [0, {length}], got {consumed!r}.")
         consumed = int(consumed)
         state: dict[str, Any] = {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self.epoch,
             "seed": self.seed,
             "consumed": consumed,
@@ -940,7 +566,7 @@ class ShardedDistributedSampler(DistributedSampler):
         by_rank: dict[int, Mapping[str, Any]] = {}
         for state in states:
             rank = cast(int, state.get("rank"))
-            if not _is_int(rank) or rank in by_rank:
+            if not is_int(rank) or rank in by_rank:
                 raise ValueError(
                     f"merge_states() needs one state per rank, each with its 'rank'; got rank {rank!r} "
                     f"{'twice' if rank in by_rank else 'in a state'} (ranks so far: {sorted(by_rank)})."
@@ -948,13 +574,13 @@ class ShardedDistributedSampler(DistributedSampler):
             by_rank[int(rank)] = state
         first = by_rank[min(by_rank)]
         world = first.get("num_replicas")
-        if not _is_int(world) or sorted(by_rank) != list(range(int(cast(int, world)))):
+        if not is_int(world) or sorted(by_rank) != list(range(int(cast(int, world)))):
             raise ValueError(
                 f"merge_states() needs the state of every rank 0..{world}-1 of the saved layout "
                 f"(num_replicas={world!r}), got ranks {sorted(by_rank)}."
             )
         for rank, state in by_rank.items():
-            keys = (set(first) | set(state)) - set(_PER_RANK_KEYS)
+            keys = (set(first) | set(state)) - set(PER_RANK_KEYS)
             differ = sorted(k for k in keys if first.get(k) != state.get(k))
             if differ:
                 k = differ[0]
@@ -986,10 +612,10 @@ class ShardedDistributedSampler(DistributedSampler):
                 of the wrong type or inconsistent (a corrupt checkpoint); the message names the field and
                 what to do. Nothing is loaded then.
         """
-        _check_state(self, state_dict)
+        check_state(state_dict, self._spec(self.epoch), self.num_replicas, self._group_size_for_order())
         epoch, seed = int(state_dict["epoch"]), int(state_dict.get("seed", self.seed))
-        segments = _segments_of_state(self, state_dict)
         spec = self._spec(epoch)
+        segments = segments_of_state(state_dict, spec)
         group = self._group_size_for_order()
         plan: list[int] | None = None
         history: list[dict[str, Any]] = []
@@ -998,10 +624,10 @@ class ShardedDistributedSampler(DistributedSampler):
             if segments and segments[-1][:2] == (self.num_replicas, group):  # the saved layout: go on exactly
                 *earlier, (_, _, counts) = segments
                 if earlier:
-                    plan = _segment_plan(spec, earlier, self.num_replicas, group)[self.rank]
-                    history = [_history_entry(h, h["consumed_by_rank"]) for h in state_dict["resumed_from"]]
+                    plan = segment_plan(spec, earlier, self.num_replicas, group)[self.rank]
+                    history = [history_entry(h, h["consumed_by_rank"]) for h in state_dict["resumed_from"]]
                 start = counts[self.rank]
-                bound = len(plan) if plan is not None else _rank_length(spec, self.num_replicas, self.rank)
+                bound = len(plan) if plan is not None else rank_length(spec, self.num_replicas, self.rank)
                 if start > bound:
                     raise ValueError(
                         f"state_dict['consumed']={start} exceeds this rank's epoch length {bound}; with "
@@ -1009,10 +635,10 @@ class ShardedDistributedSampler(DistributedSampler):
                         "or a state with every rank's count (state_dict(gather=True) or merge_states())"
                     )
             elif segments:
-                plan = _segment_plan(spec, segments, self.num_replicas, group)[self.rank]
+                plan = segment_plan(spec, segments, self.num_replicas, group)[self.rank]
                 saved = state_dict.get("resumed_from", [])
-                history = [_history_entry(h, h["consumed_by_rank"]) for h in saved]
-                history.append(_history_entry(state_dict, segments[-1][2]))
+                history = [history_entry(h, h["consumed_by_rank"]) for h in saved]
+                history.append(history_entry(state_dict, segments[-1][2]))
         except ValueError as e:
             raise ValueError(f"cannot resume epoch {epoch} from this sampler state: {e}.") from None
         self.seed = seed

@@ -24,11 +24,9 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
 the stores of the process through :func:`acquire` and :func:`release`): its index slots, segments and entry
 files, its counters, and its lease. :func:`list_caches` and :func:`remove_cache` serve the command line.
 
-Lifetime: each process using a cache holds a shared ``flock`` on its lease file; the kernel drops it when the
-process dies. The last process to leave normally removes the cache. A cache whose lease nobody holds is stale
-(its users crashed) and is reclaimed by the next process that joins any cache, unless it is kept. Under torchrun
-a keeper process holds a lease while the node's agent lives, so that restarted ranks find the cache; with
-``keep_alive`` one holds it that many seconds after its last user left (:mod:`monai_cache.keeper`).
+Lifetime (:mod:`monai_cache.shm_lifetime`, which holds its rules): each process using a cache holds a shared
+``flock`` on its lease file; the last to leave removes the cache, unless it is kept or a keeper holds it
+(:mod:`monai_cache.keeper`); a cache whose lease nobody holds is reclaimed by the next process that joins any cache.
 
 Why plain files and not ``multiprocessing.shared_memory``: on Linux POSIX shared memory *is* a tmpfs file,
 and Python 3.11's ``SharedMemory`` registers every segment with a resource tracker that unlinks it when any
@@ -41,9 +39,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import itertools
+import functools
 import os
-import shutil
 import stat
 import struct
 import threading
@@ -63,6 +60,19 @@ from monai_cache.runtime import (
     sweep_temp_files,
     temp_name,
     write_all,
+)
+from monai_cache.shm_lifetime import (
+    RootLock,
+    defer,
+    enter_critical,
+    exit_critical,
+    in_critical,
+    owned_directory,
+    reclaim_stale,
+    remove_dir,
+    touch_private,
+    try_exclusive,
+    unlink_quiet,
 )
 
 __all__ = [
@@ -179,107 +189,6 @@ def cache_root(shm_dir: str | None = None, create: bool = True) -> str:
     return root
 
 
-# ------------------------------------------------------------------------------------------- the root lock
-_held = threading.local()  # how deep this thread is in the registry lock or the root lock
-_deferred: list[CacheDirectory] = []
-
-
-class _RootLock:
-    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short)."""
-
-    def __init__(self, root: str) -> None:
-        self.path = os.path.join(root, ".lock")
-
-    def __enter__(self) -> _RootLock:
-        _enter_critical()
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            _exit_critical()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-        _exit_critical()
-
-
-def _try_exclusive(lease_path: str, create: bool = True) -> int | None:
-    """Open the lease file and try to lock it exclusively; the fd if nobody holds it, else None."""
-    try:
-        fd = os.open(lease_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-_trash_numbers = itertools.count()
-
-
-def _remove_dir(path: str) -> None:
-    """Remove a cache directory: rename it away first so no reader sees it half-deleted."""
-    trash = f"{os.path.dirname(path)}/.trash.{os.getpid()}.{next(_trash_numbers)}"
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _owned_directory(path: str) -> bool:
-    """Whether ``path`` is a real directory (not a link) owned by this user."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-
-
-def _reclaim_stale(root: str, skip: str | None = None) -> list[str]:
-    """Remove caches nobody holds a lease on (their users crashed), except kept ones. Caller holds the root lock."""
-    removed = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not _owned_directory(path):
-            continue  # not ours (planted by another user, or not a directory): never removed
-        if name.startswith(".trash."):
-            shutil.rmtree(path, ignore_errors=True)
-            continue
-        if name.startswith(".") or path == skip:
-            continue
-        if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
-            continue  # kept on purpose, or not one of our caches
-        fd = _try_exclusive(os.path.join(path, "lease"), create=False)
-        if fd is None:
-            continue
-        try:
-            _remove_dir(path)
-            removed.append(name)
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _touch_private(path: str) -> None:
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 # ------------------------------------------------------------------------------------------- a cache
 class CacheDirectory:
     """One process's handle on one cache directory: its lease, counters, index slots, segments and entry files.
@@ -342,7 +251,7 @@ class CacheDirectory:
         if it has one (a packed entry's bytes stay in the segment until the cache goes), count it gone."""
         os.pwrite(self.index_fd, _EMPTY_SLOT, SLOT_SIZE * i)
         if isinstance(slot, Slot) and slot.segment == STANDALONE:
-            _unlink_quiet(self.entry_path(i))
+            unlink_quiet(self.entry_path(i))
             self.counters.add({"bytes": -slot.length})
         self.counters.add({"entries": -1})
 
@@ -435,7 +344,7 @@ class CacheDirectory:
                 os.close(fd)
             os.rename(tmp, self.entry_path(i))
         except BaseException:
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp)
             raise
 
     def record_length(self, length: int) -> None:
@@ -503,8 +412,8 @@ class CacheDirectory:
 
     # -- joining and leaving --
     def _join(self, keep: bool) -> None:
-        with _RootLock(self.root):
-            _reclaim_stale(self.root, skip=self.path)
+        with RootLock(self.root):
+            reclaim_stale(self.root, skip=self.path)
             try:
                 os.mkdir(self.path, 0o700)
                 fresh = True
@@ -518,7 +427,7 @@ class CacheDirectory:
                 )
             lease_path = os.path.join(self.path, "lease")
             stats_path = os.path.join(self.path, "stats")
-            fd = _try_exclusive(lease_path)
+            fd = try_exclusive(lease_path)
             found = None if fresh else read_counters(stats_path, FIELDS)
             magic = None if found is None else found[0]
             other_layout = magic not in (None, 0, MAGIC)  # kept by another version of monai_cache
@@ -533,14 +442,14 @@ class CacheDirectory:
                 # entries this version cannot read). Start it afresh.
                 for name in os.listdir(self.path):
                     if name != "lease":
-                        _unlink_quiet(os.path.join(self.path, name))
+                        unlink_quiet(os.path.join(self.path, name))
                 wiped = True
             if fd is None:
                 fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
             self.lease_fd = fd
             if keep:
-                _touch_private(os.path.join(self.path, "keep"))
+                touch_private(os.path.join(self.path, "keep"))
             else:
                 agent = keeper.torchrun_agent()
                 if agent is not None:  # the cache outlives a restart of the node's ranks: held while the agent lives
@@ -583,7 +492,7 @@ class CacheDirectory:
             self.counters.close()  # the removed files' memory is freed when their last descriptor and map go
             self.close_files()
             return False
-        with _RootLock(self.root):
+        with RootLock(self.root):
             os.close(self.lease_fd)
             self.lease_fd = -1
             if os.path.exists(os.path.join(self.path, "keep")):
@@ -593,20 +502,20 @@ class CacheDirectory:
             if self.keep_alive > 0:
                 with contextlib.suppress(OSError):
                     os.utime(lease)  # a keeper's deadline counts from the last user's leaving
-            fd = _try_exclusive(lease)
+            fd = try_exclusive(lease)
             if fd is not None and self.keep_alive > 0:
                 os.close(fd)  # nobody else can join meanwhile: we hold the root lock
                 if keeper.start(self.path, self.root, None, self.keep_alive):
                     fd = None  # held by the keeper now
                 else:
-                    fd = _try_exclusive(lease)
+                    fd = try_exclusive(lease)
             if fd is None:
                 self.close_files()
                 return False
             try:
                 self.counters.close()
                 self.close_files()
-                _remove_dir(self.path)
+                remove_dir(self.path)
                 return True
             finally:
                 os.close(fd)
@@ -625,51 +534,11 @@ class CacheDirectory:
         self.leave()
 
 
-def release_keeper(root: str, path: str, lease_fd: int, mark: str, mark_fd: int) -> int | None:
-    """A keeper's end (:mod:`monai_cache.keeper`): if nobody else holds a lease, drop its own and its mark and remove
-    the cache (unless kept), as its last user would have; returns None. If others still use it (ranks orphaned by a
-    killed agent), keep holding: returns the keeper's lease descriptor (a new one) to try again later."""
-    with _RootLock(root):
-        os.close(lease_fd)
-        lease = os.path.join(path, "lease")
-        fd = _try_exclusive(lease, create=False)
-        if fd is None and os.path.isdir(path):
-            with contextlib.suppress(OSError):
-                again = os.open(lease, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-                fcntl.flock(again, fcntl.LOCK_SH)  # others hold it shared: granted at once (we hold the root lock)
-                return again
-        _unlink_quiet(mark)
-        os.close(mark_fd)
-        if fd is not None:
-            try:
-                if not os.path.exists(os.path.join(path, "keep")):
-                    _remove_dir(path)
-            finally:
-                os.close(fd)
-        return None
-
-
 # ------------------------------------------------------------------------------------ the process registry
-# One CacheDirectory per cache path and process, shared by every store of the process.
+# One CacheDirectory per cache path and process, shared by every store of the process. Taking the registry lock is
+# a critical section (shm_lifetime.enter_critical): a finalizer's release inside it waits until it is left.
 _registry: dict[str, CacheDirectory] = {}
 _registry_lock = threading.Lock()
-# A dataset garbage-collected while its thread holds the registry lock or the root lock (the collector runs
-# finalizers at any allocation) must not release its cache there: both locks would be taken again by the
-# same thread and never granted. Such releases wait in _deferred until the thread leaves the last of them.
-
-
-def _enter_critical() -> None:
-    _held.depth = getattr(_held, "depth", 0) + 1
-
-
-def _exit_critical() -> None:
-    _held.depth -= 1
-    while _held.depth == 0 and _deferred:
-        try:
-            d = _deferred.pop()
-        except IndexError:  # another thread took the last one
-            break
-        release(d)
 
 
 def acquire(root: str, key: str, keep: bool, keep_alive: float = 0.0) -> CacheDirectory:
@@ -682,7 +551,7 @@ def acquire(root: str, key: str, keep: bool, keep_alive: float = 0.0) -> CacheDi
         keep_alive: seconds to keep it after its last user leaves (the longest its stores in this process ask).
     """
     path = os.path.join(root, key)
-    _enter_critical()
+    enter_critical()
     try:
         with _registry_lock:
             d = _registry.get(path)
@@ -690,20 +559,20 @@ def acquire(root: str, key: str, keep: bool, keep_alive: float = 0.0) -> CacheDi
                 d = CacheDirectory(root, key, keep, keep_alive)
                 _registry[path] = d
             elif keep:
-                _touch_private(os.path.join(d.path, "keep"))
+                touch_private(os.path.join(d.path, "keep"))
             d.keep_alive = max(d.keep_alive, keep_alive)
             d.refs += 1
             return d
     finally:
-        _exit_critical()
+        exit_critical()
 
 
 def release(d: CacheDirectory) -> None:
     """Give back one reference to ``d``; the last one leaves the cache (which removes it if nobody else uses it)."""
-    if getattr(_held, "depth", 0):  # called by a finalizer inside a critical section: later
-        _deferred.append(d)
+    if in_critical():  # called by a finalizer inside a critical section: later
+        defer(functools.partial(release, d))
         return
-    _enter_critical()
+    enter_critical()
     try:
         with _registry_lock:
             d.refs -= 1
@@ -712,7 +581,7 @@ def release(d: CacheDirectory) -> None:
             if _registry.get(d.path) is d:
                 del _registry[d.path]
     finally:
-        _exit_critical()
+        exit_critical()
     d.leave()
 
 
@@ -725,8 +594,6 @@ def release_in_owner(d: CacheDirectory, pid: int) -> None:
 def _after_fork_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()
-    _held.depth = 0
-    _deferred.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -756,8 +623,8 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
         try:
             # The probe takes the lease exclusively for an instant: under the root lock, so that a last user
             # leaving at that moment (it probes under the same lock) never mistakes us for another user.
-            with _RootLock(root):
-                fd = _try_exclusive(os.path.join(path, "lease"), create=False)
+            with RootLock(root):
+                fd = try_exclusive(os.path.join(path, "lease"), create=False)
                 live = fd is None and os.path.exists(os.path.join(path, "lease"))
                 if fd is not None:
                     os.close(fd)
@@ -886,17 +753,17 @@ def remove_cache(key: str, shm_dir: str | None = None, force: bool = False) -> b
     """
     root = cache_root(shm_dir, create=False)
     path = os.path.join(root, key)
-    if "/" in key or key.startswith(".") or not _owned_directory(path):
+    if "/" in key or key.startswith(".") or not owned_directory(path):
         return False  # not a cache of ours
     if not os.path.exists(os.path.join(path, "stats")):
         return False
-    with _RootLock(root):
+    with RootLock(root):
         lease = os.path.join(path, "lease")
-        fd = _try_exclusive(lease, create=False)
+        fd = try_exclusive(lease, create=False)
         if fd is None and os.path.exists(lease) and not force:
             return False  # live
         try:
-            _remove_dir(path)
+            remove_dir(path)
         finally:
             if fd is not None:
                 os.close(fd)

@@ -3,7 +3,8 @@
 In this process: off, nothing is patched; on, every name is ours, results equal MONAI's, a bundle's short
 ``_target_`` finds ours, a module imported before gets one warning naming it; ``run --dry-run``. One subprocess:
 a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
-and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line.
+and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line. Two more:
+a chaining sitecustomize on either side of ours, each run once; one before ours that does not chain.
 The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
 """
 
@@ -177,6 +178,69 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
     assert main(["run", "--dry-run", "--no-dataloader", "--", "true"]) == 0
     out = capsys.readouterr().out
     assert "DataLoader" not in out.split("would run")[0] and f"{switch.ENV_VAR}={switch.DATASETS_ONLY} " in out
+
+
+_CHAIN_AFTER_OWN_DIRECTORY = """\
+import importlib.machinery, importlib.util, os, sys
+print("{name} ran", flush=True)
+here = os.path.dirname(os.path.abspath(__file__))
+after = sys.path[[os.path.abspath(p) for p in sys.path].index(here) + 1 :]
+spec = importlib.machinery.PathFinder.find_spec("sitecustomize", after)
+if spec is not None:
+    sys.modules["sitecustomize"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+"""
+_CHAIN_WHOLE_PATH_LESS_OWN = """\
+import os, sys
+print("{name} ran", flush=True)
+here = os.path.dirname(os.path.abspath(__file__))
+saved = list(sys.path)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p) != here]
+del sys.modules["sitecustomize"]
+try:
+    import sitecustomize
+except ImportError:
+    pass
+sys.path[:] = saved
+"""
+
+
+def test_sitecustomize_chain_runs_each_once(tmp_path):
+    """A chaining ``sitecustomize`` before ours (a launcher prepended its directory) and one after: each runs once,
+    and the switch is on. ``before`` chains to the entries after its own directory, leaving the path whole (ours
+    found it again and ran it twice); ``after`` chains to the whole path less its own directory, which finds
+    ``before`` again unless ours hides the entries before it. A ``usercustomize`` after ours runs once too.
+
+    A second interpreter: one before ours that does not chain (``shadow``). Where Python imports ``usercustomize``
+    (the user site on), ours turns the switch on from there and says so; elsewhere the switch stays off."""
+    for name, text in (("before", _CHAIN_AFTER_OWN_DIRECTORY), ("after", _CHAIN_WHOLE_PATH_LESS_OWN)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sitecustomize.py").write_text(text.format(name=name))
+    (tmp_path / "after" / "usercustomize.py").write_text("print('user ran', flush=True)\n")
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "sitecustomize.py").write_text("print('shadow ran', flush=True)\n")
+    code = (
+        "import site; from monai_cache import switch; "
+        "print('switch on' if switch.installed() else 'switch off', 'user site' if site.ENABLE_USER_SITE else '')"
+    )
+    out = {}
+    for first in ("before", "shadow"):
+        path = [str(tmp_path / first), switch.site_dir(), str(tmp_path / "after"), REPO]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), switch.ENV_VAR: "1"}
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[first] = p.stdout.splitlines(), p.stderr
+    lines, stderr = out["before"]
+    user_site = lines[-1].endswith("user site")
+    assert lines == ["before ran", "after ran", *(["user ran"] if user_site else []), lines[-1]], lines
+    assert lines[-1].startswith("switch on") and "monai_cache switch:" not in stderr, stderr[-3000:]
+    lines, stderr = out["shadow"]
+    if user_site:
+        assert lines == ["shadow ran", "user ran", lines[-1]] and lines[-1].startswith("switch on"), lines
+        said = [x for x in stderr.splitlines() if x.startswith("monai_cache switch:")]
+        assert len(said) == 1 and str(tmp_path / "shadow" / "sitecustomize.py") in said[0], stderr[-3000:]
+    else:  # a virtual environment without the system's site packages: nothing of ours runs
+        assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch off"), lines
 
 
 @pytest.mark.slow

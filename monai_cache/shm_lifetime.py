@@ -1,0 +1,206 @@
+"""The lifetime of a shared-memory cache: who holds it, and when it goes. Standard library only.
+
+Each process using a cache holds a shared ``flock`` on its ``lease`` file; the kernel drops it when the process
+dies. The last process to leave normally removes the cache (:meth:`monai_cache.shm_directory.CacheDirectory.leave`).
+A cache whose lease nobody holds is stale (its users crashed) and is reclaimed by the next process that joins any
+cache (:func:`reclaim_stale`), unless it is kept (a ``keep`` file: ``keep_warm``). Under torchrun a keeper process
+holds a lease while the node's agent lives, so that restarted ranks find the cache; with ``keep_alive`` one holds it
+that many seconds after its last user left (:mod:`monai_cache.keeper`, which ends with :func:`release_keeper`).
+Joining, leaving, reclaiming and a keeper's end all happen under the per-user root's lock (:class:`RootLock`), so
+that a process probing a lease never mistakes another prober for a user.
+
+The caches' processes (:mod:`monai_cache.shm_directory`) and the keeper (a process without torch) both use this
+module; it imports neither of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable
+
+__all__ = [
+    "RootLock",
+    "defer",
+    "enter_critical",
+    "exit_critical",
+    "in_critical",
+    "owned_directory",
+    "reclaim_stale",
+    "release_keeper",
+    "remove_dir",
+    "touch_private",
+    "try_exclusive",
+    "unlink_quiet",
+]
+
+# ----------------------------------------------------------------------------------------- critical sections
+# A dataset garbage-collected while its thread holds the registry lock of monai_cache.shm_directory or the root
+# lock (the collector runs finalizers at any allocation) must not release its cache there: both locks would be
+# taken again by the same thread and never granted. Such releases wait in _deferred until the thread leaves the
+# last of them.
+_held = threading.local()  # how deep this thread is in the registry lock or the root lock
+_deferred: list[Callable[[], None]] = []
+
+
+def enter_critical() -> None:
+    """This thread takes the registry lock or the root lock: releases asked meanwhile wait (:func:`defer`)."""
+    _held.depth = getattr(_held, "depth", 0) + 1
+
+
+def exit_critical() -> None:
+    """This thread leaves a critical section; leaving the last one runs the releases deferred meanwhile."""
+    _held.depth -= 1
+    while _held.depth == 0 and _deferred:
+        try:
+            release = _deferred.pop()
+        except IndexError:  # another thread took the last one
+            break
+        release()
+
+
+def in_critical() -> bool:
+    """Whether this thread is inside a critical section (a release asked now must wait: :func:`defer`)."""
+    return bool(getattr(_held, "depth", 0))
+
+
+def defer(release: Callable[[], None]) -> None:
+    """Run ``release`` when a thread leaves its last critical section."""
+    _deferred.append(release)
+
+
+def _after_fork_in_child() -> None:
+    _held.depth = 0
+    _deferred.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ------------------------------------------------------------------------------------------- the root lock
+class RootLock:
+    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, ".lock")
+
+    def __enter__(self) -> RootLock:
+        enter_critical()
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            exit_critical()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+        exit_critical()
+
+
+# ------------------------------------------------------------------------------------------- leases
+def try_exclusive(lease_path: str, create: bool = True) -> int | None:
+    """Open the lease file and try to lock it exclusively; the fd if nobody holds it, else None."""
+    try:
+        fd = os.open(lease_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_trash_numbers = itertools.count()
+
+
+def remove_dir(path: str) -> None:
+    """Remove a cache directory: rename it away first so no reader sees it half-deleted."""
+    trash = f"{os.path.dirname(path)}/.trash.{os.getpid()}.{next(_trash_numbers)}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def owned_directory(path: str) -> bool:
+    """Whether ``path`` is a real directory (not a link) owned by this user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def reclaim_stale(root: str, skip: str | None = None) -> list[str]:
+    """Remove caches nobody holds a lease on (their users crashed), except kept ones. Caller holds the root lock."""
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not owned_directory(path):
+            continue  # not ours (planted by another user, or not a directory): never removed
+        if name.startswith(".trash."):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if name.startswith(".") or path == skip:
+            continue
+        if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
+            continue  # kept on purpose, or not one of our caches
+        fd = try_exclusive(os.path.join(path, "lease"), create=False)
+        if fd is None:
+            continue
+        try:
+            remove_dir(path)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def touch_private(path: str) -> None:
+    """Create an empty file only this user can read (``keep``), or leave it as it is."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+
+
+def unlink_quiet(path: str) -> None:
+    """Remove a file (or a directory and what it holds); one already gone is no error."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def release_keeper(root: str, path: str, lease_fd: int, mark: str, mark_fd: int) -> int | None:
+    """A keeper's end (:mod:`monai_cache.keeper`): if nobody else holds a lease, drop its own and its mark and remove
+    the cache (unless kept), as its last user would have; returns None. If others still use it (ranks orphaned by a
+    killed agent), keep holding: returns the keeper's lease descriptor (a new one) to try again later."""
+    with RootLock(root):
+        os.close(lease_fd)
+        lease = os.path.join(path, "lease")
+        fd = try_exclusive(lease, create=False)
+        if fd is None and os.path.isdir(path):
+            with contextlib.suppress(OSError):
+                again = os.open(lease, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fcntl.flock(again, fcntl.LOCK_SH)  # others hold it shared: granted at once (we hold the root lock)
+                return again
+        unlink_quiet(mark)
+        os.close(mark_fd)
+        if fd is not None:
+            try:
+                if not os.path.exists(os.path.join(path, "keep")):
+                    remove_dir(path)
+            finally:
+                os.close(fd)
+        return None
