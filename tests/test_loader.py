@@ -10,6 +10,7 @@ import contextlib
 import gc
 import inspect
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import torch
 from helpers import assert_same, sharing
 from monai.data import decollate_batch, list_data_collate, pad_list_data_collate
 from monai.utils.enums import TraceKeys
+from torch.utils.data import default_convert
 
 import monai_cache
 from monai_cache.errors import BatchFallbackWarning
@@ -231,6 +233,16 @@ def test_main_process_killed_leaves_nothing(tmp_path, files):
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if any(p in n for p in pids)]
 
 
+class Views(torch.utils.data.Dataset):
+    """Items that are strided views of a larger tensor (what torch's path keeps as they are)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.arange(16.0)[i::2][:4]
+
+
 class WithSet(torch.utils.data.Dataset):
     """Items holding a value the codec cannot store (a set), every one."""
 
@@ -270,6 +282,43 @@ def test_batches_the_codec_cannot_store_take_torch_path_with_one_warning():
     ours_warnings = [str(w.message) for w in caught if issubclass(w.category, BatchFallbackWarning)]
     assert len(ours_warnings) == 1 and f"more than {MAX_SEGMENTS} batches" in ours_warnings[0], ours_warnings
     assert sum(in_block(b) for b in kept) == 2 * MAX_SEGMENTS
+
+
+def test_the_switch_loader_takes_the_block_path_only_for_collates_that_give_the_same_batches(dataset, caplog):
+    """Under the switch (same_batches_only): torch's and MONAI's collate functions come as blocks; any other runs as
+    monai.data.DataLoader (its collate may ask get_worker_info(), which the block path hides), with one debug line;
+    a batch that takes torch's path says why in a debug line, not a warning."""
+    import functools
+
+    import monai_cache.loader as loader_module
+
+    def own_collate(samples: list) -> dict:
+        return list_data_collate(samples)
+
+    caplog.set_level(logging.DEBUG, logger="monai_cache.loader")
+    loader_module.same_batches_only(True)
+    try:
+        kinds = {
+            "list": list_data_collate,
+            "pad": functools.partial(pad_list_data_collate, method="end"),
+            "own": own_collate,
+        }
+        for name, collate in kinds.items():
+            ours = epochs(DataLoader, dataset, num_workers=2, batch_size=2, collate_fn=collate)[0]
+            assert_batches_equal(ours, epochs(monai.data.DataLoader, dataset, num_workers=2, batch_size=2,
+                                              collate_fn=collate)[0])
+            assert all(in_block(b["image"]) for b in ours) is (name != "own"), name
+        refusals = [r.getMessage() for r in caplog.records if "monai.data.DataLoader's path" in r.getMessage()]
+        assert len(refusals) == 1 and "own_collate" in refusals[0], refusals
+        # items not collated (batch_size=None, torch's default_convert) that are views of part of their memory
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            views = list(DataLoader(Views(), batch_size=None, num_workers=2, collate_fn=default_convert))
+        assert [v.stride() for v in views] == [(2,)] * len(Views()) and not any(in_block(v) for v in views)
+        assert not [w for w in caught if issubclass(w.category, BatchFallbackWarning)]
+        assert any("part of its memory" in r.getMessage() for r in caplog.records)
+    finally:
+        loader_module.same_batches_only(False)
 
 
 @pytest.fixture(scope="module")
