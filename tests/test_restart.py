@@ -21,6 +21,8 @@ from helpers import free_port
 SCRIPTS = Path(__file__).parent / "_scripts"
 N_ITEMS, EPOCHS, WORLD = 8, 2, 2
 HANG_GUARD_S = 600
+KEEP_ALIVE_S = 1.5
+CLOCK_TICK_S = 0.05  # tmpfs stamps mtimes with the kernel's coarse clock: up to a tick behind time.time()
 
 
 def _keepers_of(shm_dir: str) -> list[int]:
@@ -93,17 +95,29 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
     store.release()
     assert not os.path.exists(path) and not _keepers_of(shm_dir)
 
-    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "1.5")  # the environment reaches every dataset class
+    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", str(KEEP_ALIVE_S))  # the environment reaches every dataset class
     first = SharedMemoryStore("notebook", 2)
     first[0] = {"x": 7}
     path = first.path
+    lease = os.path.join(path, "lease")  # its mtime: when the last user left, from which the deadline counts
     first.release()  # the last user leaves: a keeper holds the cache
     assert os.path.isdir(path) and len(_keepers_of(shm_dir)) == 1
-    again = SharedMemoryStore("notebook", 2)  # the script run again: warm
-    assert again[0] == {"x": 7}
-    again.release()  # moves the deadline; the same keeper holds on
-    assert len(_keepers_of(shm_dir)) == 1
+    for _ in range(2):  # users come and go; each finds the cache warm and moves the deadline as it leaves
+        again = SharedMemoryStore("notebook", 2)  # the script run again: warm
+        assert again[0] == {"x": 7}
+        # as if the previous user had left half a keep_alive ago: unless this one's leaving moves the deadline,
+        # the cache goes half a keep_alive after it (not at once: the keeper is not deciding as it leaves)
+        earlier = time.time() - KEEP_ALIVE_S / 2
+        os.utime(lease, (earlier, earlier))
+        before = time.time()
+        again.release()
+        left = os.stat(lease).st_mtime
+        assert left >= before - CLOCK_TICK_S, f"leaving left the deadline {before - left:.2f} s early"
+        assert len(_keepers_of(shm_dir)) == 1  # the same keeper holds on
     _wait_until(lambda: not os.path.exists(path), "the kept cache was never removed")
+    gone = time.time()  # read after the removal was seen: the removal was no later
+    # the keeper waited keep_alive after the last user left (a lower bound: a busy machine only adds to it)
+    assert gone >= left + KEEP_ALIVE_S, f"removed {left + KEEP_ALIVE_S - gone:.2f} s before the deadline"
     _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
 
     monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "soon")
