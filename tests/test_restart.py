@@ -7,6 +7,7 @@ killed with SIGKILL; the restart reads without workers) asserts everything about
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -170,9 +171,68 @@ def test_keeper_takes_an_agent_that_exited_unreaped_for_gone(shm_dir, monkeypatc
         agent.wait()
 
 
+def _lock_waiters(path: str) -> set[int]:
+    """Pids waiting for an flock on ``path`` (/proc/locks: ``N: -> FLOCK ADVISORY WRITE pid maj:min:ino ...``)."""
+    st = os.stat(path)
+    waiters = set()
+    with open("/proc/locks") as f:
+        for fields in (line.split() for line in f):
+            if fields[1] == "->" and fields[2] == "FLOCK":
+                major, minor, ino = fields[6].split(":")
+                if (int(major, 16), int(minor, 16), int(ino)) == (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino):
+                    waiters.add(int(fields[5]))
+    return waiters
+
+
+def _voluntary_sleeps(pid: int) -> int | None:
+    """How many times process ``pid`` has gone to sleep (blocked), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _orphan_keeps_the_cache_until_it_exits(agent: subprocess.Popen, orphan: int, shm_dir: str) -> None:
+    """Kill a node's agent, not its rank (``orphan``: parked, in a session of its own): the node's keeper sees the
+    agent gone, yet keeps the cache while the rank holds it, and removes it once the rank is killed in turn.
+
+    The keeper decides under the root lock. The test holds that lock while the agent dies, until the keeper waits
+    for it; once let go, the keeper decides without sleeping, and keeping the cache ends in a sleep (the pause
+    before it asks again): the test looks after that sleep, or after the keeper exited."""
+    import fcntl
+    import signal
+
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    lock = os.path.join(root, ".lock")
+    (keeper,) = _keepers_of(shm_dir)
+    cached = [n for n in os.listdir(root) if not n.startswith(".")]
+    assert cached
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.killpg(agent.pid, signal.SIGKILL)  # the node is lost: its agent; the rank runs on, held at the gate
+        agent.wait(60)
+        _wait_until(lambda: keeper in _lock_waiters(lock), "the keeper never saw its agent gone")
+        slept = _voluntary_sleeps(keeper)  # it sleeps on the lock now: nothing else wakes it
+        assert slept is not None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        _wait_until(lambda: (n := _voluntary_sleeps(keeper)) is None or n > slept, "the keeper never decided")
+        os.kill(orphan, 0)  # the rank is alive...
+        assert [n for n in os.listdir(root) if not n.startswith(".")] == cached  # ...so its cache stays,
+        assert keeper in _keepers_of(shm_dir)  # held by the keeper, which waits for the rank
+    finally:
+        os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)  # the gate opens: the rank goes, and its cache right after
+    _wait_until(lambda: not [n for n in os.listdir(root) if not n.startswith(".")], f"left in {root}")
+    _wait_until(lambda: keeper not in _keepers_of(shm_dir), "the keeper did not exit")
+
+
 def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tmp_path):
     """Two torchrun agents as two nodes (``--nnodes=1:2``, c10d on 127.0.0.1, a shared-memory directory each);
-    node B is killed mid-epoch (agent and rank); node A finishes the epoch alone, each item once, on its cache."""
+    node B is lost mid-epoch: its agent first, its rank (orphaned, holding the node's cache) only once the keeper was
+    seen to keep the cache for it; node A finishes the epoch alone, each item once, on its cache."""
     import signal
 
     import torch.distributed as dist
@@ -202,9 +262,7 @@ def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tm
                 )
         _wait_until(lambda: (out / "B.parked").exists() or agents["A"].poll() is not None, "B never parked", 300)
         assert (out / "B.parked").exists(), (tmp_path / "A.log").read_text(errors="replace")[-3000:]
-        os.killpg(agents["B"].pid, signal.SIGKILL)  # node B is lost: its agent and its rank (a session of its own)
-        os.kill(int((out / "B.parked").read_text()), signal.SIGKILL)
-        agents["B"].wait(60)
+        _orphan_keeps_the_cache_until_it_exits(agents["B"], int((out / "B.parked").read_text()), shm["B"])
         code = agents["A"].wait(HANG_GUARD_S)
         assert code == 0, (tmp_path / "A.log").read_text(errors="replace")[-4000:]
         first, second = (json.loads((out / f"A.attempt{a}.json").read_text()) for a in (0, 1))
