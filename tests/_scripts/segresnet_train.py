@@ -4,8 +4,8 @@
 
 It imports MONAI's ``CacheDataset``: the test starts it with or without the switch that makes that name ours.
 argv: data.json log_path epochs. Writes ``log_path.rank<N>.json`` per rank (the ranks share torchrun's stdout, where
-two long lines can interleave): the losses, what the Manager's list holds, and (when
-the dataset has it) ``cache_stats()`` read in this rank's main process after the last epoch.
+two long lines can interleave): the losses, what the Manager's list holds, (when the dataset has it)
+``cache_stats()`` read in this rank's main process after the last epoch, and the pids of the rank's children.
 """
 
 import json
@@ -43,6 +43,20 @@ def get_shared_memory_list(length: int) -> list:
     shl = [mp.Manager().list([None] * length) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(shl, src=0)
     return shl[0]
+
+
+def children() -> list[int]:
+    """Pids of this process's children: its DataLoader workers (persistent: alive until the loader goes), and in
+    rank 0 the Manager's server."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.append(int(pid))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
 
 
 def main() -> None:
@@ -85,12 +99,13 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+    workers = children()  # the test tells by them which rank's workers computed which item
     dist.barrier()
     stats = train_ds.cache_stats()["total"] if hasattr(train_ds, "cache_stats") else None
     held = sum(item is not None for item in runtime_cache)  # what the Manager's server process holds
     dist.barrier()  # rank 0's Manager stays up until every rank has read its list
     with open(f"{log_path}.rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "losses": losses, "manager_items": held, "stats": stats}, f)
+        json.dump({"rank": rank, "losses": losses, "manager_items": held, "stats": stats, "children": workers}, f)
     dist.destroy_process_group()
 
 
