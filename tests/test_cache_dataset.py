@@ -252,8 +252,11 @@ def test_dataloader_workers_share_one_cache(shm_dir, volumes, tmp_path, context)
             batches += [b["image"].as_tensor().clone() for b in loader]
         return batches, Counter(case for _, case in read_calls(log))
 
-    # MONAI's with forked workers: a worker's seeds do not depend on how it was started, so the reference batches
-    # are those of spawned workers too (spawning two more costs two MONAI imports)
+    # MONAI's reference from forked workers, for the spawn case too (spawning two more costs two MONAI imports): a
+    # worker's seeds do not depend on how it was started. torch draws the loader's base seed in this process (from
+    # the generator seeded in run()); each worker, forked or spawned, seeds random, numpy and torch from it and its
+    # worker id, and MONAI's worker_init_fn seeds the dataset's random transforms (set_rnd) from that seed: no
+    # random state comes through fork. The shuffle and which worker reads which batch are decided here too.
     ref = monai.data.CacheDataset(volumes, chain(log_ref), runtime_cache=True, progress=False)
     ref_batches, ref_calls = run(ref, log_ref, "fork")
     ours = monai_cache.CacheDataset(volumes, chain(log_ours), runtime_cache=True, progress=False)
