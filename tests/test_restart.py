@@ -7,6 +7,7 @@ killed with SIGKILL; the restart reads without workers) asserts everything about
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ from helpers import free_port
 SCRIPTS = Path(__file__).parent / "_scripts"
 N_ITEMS, EPOCHS, WORLD = 8, 2, 2
 HANG_GUARD_S = 600
+KEEP_ALIVE_S = 1.5
+CLOCK_TICK_S = 0.05  # tmpfs stamps mtimes with the kernel's coarse clock: up to a tick behind time.time()
 
 
 def _keepers_of(shm_dir: str) -> list[int]:
@@ -93,17 +96,29 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
     store.release()
     assert not os.path.exists(path) and not _keepers_of(shm_dir)
 
-    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "1.5")  # the environment reaches every dataset class
+    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", str(KEEP_ALIVE_S))  # the environment reaches every dataset class
     first = SharedMemoryStore("notebook", 2)
     first[0] = {"x": 7}
     path = first.path
+    lease = os.path.join(path, "lease")  # its mtime: when the last user left, from which the deadline counts
     first.release()  # the last user leaves: a keeper holds the cache
     assert os.path.isdir(path) and len(_keepers_of(shm_dir)) == 1
-    again = SharedMemoryStore("notebook", 2)  # the script run again: warm
-    assert again[0] == {"x": 7}
-    again.release()  # moves the deadline; the same keeper holds on
-    assert len(_keepers_of(shm_dir)) == 1
+    for _ in range(2):  # users come and go; each finds the cache warm and moves the deadline as it leaves
+        again = SharedMemoryStore("notebook", 2)  # the script run again: warm
+        assert again[0] == {"x": 7}
+        # as if the previous user had left half a keep_alive ago: unless this one's leaving moves the deadline,
+        # the cache goes half a keep_alive after it (not at once: the keeper is not deciding as it leaves)
+        earlier = time.time() - KEEP_ALIVE_S / 2
+        os.utime(lease, (earlier, earlier))
+        before = time.time()
+        again.release()
+        left = os.stat(lease).st_mtime
+        assert left >= before - CLOCK_TICK_S, f"leaving left the deadline {before - left:.2f} s early"
+        assert len(_keepers_of(shm_dir)) == 1  # the same keeper holds on
     _wait_until(lambda: not os.path.exists(path), "the kept cache was never removed")
+    gone = time.time()  # read after the removal was seen: the removal was no later
+    # the keeper waited keep_alive after the last user left (a lower bound: a busy machine only adds to it)
+    assert gone >= left + KEEP_ALIVE_S, f"removed {left + KEEP_ALIVE_S - gone:.2f} s before the deadline"
     _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
 
     monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "soon")
@@ -156,9 +171,68 @@ def test_keeper_takes_an_agent_that_exited_unreaped_for_gone(shm_dir, monkeypatc
         agent.wait()
 
 
+def _lock_waiters(path: str) -> set[int]:
+    """Pids waiting for an flock on ``path`` (/proc/locks: ``N: -> FLOCK ADVISORY WRITE pid maj:min:ino ...``)."""
+    st = os.stat(path)
+    waiters = set()
+    with open("/proc/locks") as f:
+        for fields in (line.split() for line in f):
+            if fields[1] == "->" and fields[2] == "FLOCK":
+                major, minor, ino = fields[6].split(":")
+                if (int(major, 16), int(minor, 16), int(ino)) == (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino):
+                    waiters.add(int(fields[5]))
+    return waiters
+
+
+def _voluntary_sleeps(pid: int) -> int | None:
+    """How many times process ``pid`` has gone to sleep (blocked), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _orphan_keeps_the_cache_until_it_exits(agent: subprocess.Popen, orphan: int, shm_dir: str) -> None:
+    """Kill a node's agent, not its rank (``orphan``: parked, in a session of its own): the node's keeper sees the
+    agent gone, yet keeps the cache while the rank holds it, and removes it once the rank is killed in turn.
+
+    The keeper decides under the root lock. The test holds that lock while the agent dies, until the keeper waits
+    for it; once let go, the keeper decides without sleeping, and keeping the cache ends in a sleep (the pause
+    before it asks again): the test looks after that sleep, or after the keeper exited."""
+    import fcntl
+    import signal
+
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    lock = os.path.join(root, ".lock")
+    (keeper,) = _keepers_of(shm_dir)
+    cached = [n for n in os.listdir(root) if not n.startswith(".")]
+    assert cached
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.killpg(agent.pid, signal.SIGKILL)  # the node is lost: its agent; the rank runs on, held at the gate
+        agent.wait(60)
+        _wait_until(lambda: keeper in _lock_waiters(lock), "the keeper never saw its agent gone")
+        slept = _voluntary_sleeps(keeper)  # it sleeps on the lock now: nothing else wakes it
+        assert slept is not None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        _wait_until(lambda: (n := _voluntary_sleeps(keeper)) is None or n > slept, "the keeper never decided")
+        os.kill(orphan, 0)  # the rank is alive...
+        assert [n for n in os.listdir(root) if not n.startswith(".")] == cached  # ...so its cache stays,
+        assert keeper in _keepers_of(shm_dir)  # held by the keeper, which waits for the rank
+    finally:
+        os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)  # the gate opens: the rank goes, and its cache right after
+    _wait_until(lambda: not [n for n in os.listdir(root) if not n.startswith(".")], f"left in {root}")
+    _wait_until(lambda: keeper not in _keepers_of(shm_dir), "the keeper did not exit")
+
+
 def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tmp_path):
     """Two torchrun agents as two nodes (``--nnodes=1:2``, c10d on 127.0.0.1, a shared-memory directory each);
-    node B is killed mid-epoch (agent and rank); node A finishes the epoch alone, each item once, on its cache."""
+    node B is lost mid-epoch: its agent first, its rank (orphaned, holding the node's cache) only once the keeper was
+    seen to keep the cache for it; node A finishes the epoch alone, each item once, on its cache."""
     import signal
 
     import torch.distributed as dist
@@ -188,9 +262,7 @@ def test_elastic_node_loss_survivor_finishes_the_epoch_once_on_its_warm_cache(tm
                 )
         _wait_until(lambda: (out / "B.parked").exists() or agents["A"].poll() is not None, "B never parked", 300)
         assert (out / "B.parked").exists(), (tmp_path / "A.log").read_text(errors="replace")[-3000:]
-        os.killpg(agents["B"].pid, signal.SIGKILL)  # node B is lost: its agent and its rank (a session of its own)
-        os.kill(int((out / "B.parked").read_text()), signal.SIGKILL)
-        agents["B"].wait(60)
+        _orphan_keeps_the_cache_until_it_exits(agents["B"], int((out / "B.parked").read_text()), shm["B"])
         code = agents["A"].wait(HANG_GUARD_S)
         assert code == 0, (tmp_path / "A.log").read_text(errors="replace")[-4000:]
         first, second = (json.loads((out / f"A.attempt{a}.json").read_text()) for a in (0, 1))

@@ -20,8 +20,12 @@ PROPERTY = settings(max_examples=100, deadline=None)
 
 
 @st.composite
-def layout(draw, n: int) -> tuple[int, str, int]:
-    """(world, shard_by, local_world_size) for a dataset of ``n`` items."""
+def layout(draw, n: int, nodes: bool = False) -> tuple[int, str, int]:
+    """(world, shard_by, local_world_size) for a dataset of ``n`` items; ``nodes``: two or more nodes of two or
+    more ranks each (with shuffle, where a node's items are not any one rank's: locality by node shows)."""
+    if nodes:
+        world = draw(st.sampled_from([4, 6, 8]))
+        return world, "node", draw(st.sampled_from([d for d in range(2, world) if world % d == 0]))
     world = draw(st.integers(1, 8))
     shard_by = draw(st.sampled_from(["rank", "node"]))
     lws = draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0])) if shard_by == "node" else 1
@@ -36,10 +40,19 @@ def make(n, lay, **kw) -> list[ShardedDistributedSampler]:
     ]
 
 
-def owner(x: int, sampler: ShardedDistributedSampler) -> int:
-    """The rank, or node, whose shard holds ``x`` in ``sampler``'s layout, as it orders the epoch."""
-    group = sampler._group_size_for_order()
-    return (x % sampler.num_replicas) // group
+def owners(new: list[ShardedDistributedSampler], epoch: int) -> tuple[dict[int, int], int]:
+    """Each item's owner in ``new``'s layout (the rank, or node, whose cache keeps it), and the ranks per owner.
+
+    The owner's ranks are those that read the item in a full epoch of the layout (the next one, not the resumed
+    one), read without pads or drops so that each item is read once: over one item per rank at least, as an
+    item's owner does not depend on how many items follow it."""
+    s, n = new[0], new[0]._dataset_len
+    group = s._group_size_for_order()  # ranks that share one shard: a node's with shuffle, else one
+    plain = make(max(n, s.num_replicas), (s.num_replicas, s.shard_by, s.local_world_size), seed=s.seed,
+                 shuffle=s.shuffle, canonical_shards=s.canonical_shards, even_divisible=False)  # fmt: skip
+    found = {x: r // group for r, p in enumerate(plain) for x in p.indices_for_epoch(epoch) if x < n}
+    assert sorted(found) == list(range(n))
+    return found, group
 
 
 def read(samplers, counts) -> list[list[int]]:
@@ -51,7 +64,9 @@ def read(samplers, counts) -> list[list[int]]:
     return out
 
 
-def check_rest(before: list[int], epoch_set: set[int], new: list[ShardedDistributedSampler], kw: dict) -> list[int]:
+def check_rest(
+    before: list[int], epoch_set: set[int], new: list[ShardedDistributedSampler], kw: dict, epoch: int
+) -> list[int]:
     """The rest of the epoch on ``new``: each remaining item once (plus torch's pad / drop), balanced, local."""
     remaining = epoch_set - set(before)
     rest = [list(s) for s in new]
@@ -71,14 +86,14 @@ def check_rest(before: list[int], epoch_set: set[int], new: list[ShardedDistribu
         assert max(map(len, rest)) - min(map(len, rest)) <= 1
     # locality: an item leaves its owner (the rank / node whose cache keeps it from now on) only to balance the
     # ranks, and no more of them than the imbalance forces
-    groups = new[0]._group_size_for_order()
-    have, share = Counter(owner(x, new[0]) for x in remaining), Counter()
+    owner, group = owners(new, epoch + 1)
+    have, share = Counter(owner[x] for x in remaining), Counter()
     for r, lst in enumerate(rest):
-        share[r // groups] += len(lst)
-    surplus = sum(max(0, have[o] - share[o]) for o in range(world // groups))
-    deficit = sum(max(0, share[o] - have[o]) for o in range(world // groups))
-    moved = {x for r, lst in enumerate(rest) for x in lst if owner(x, new[0]) != r // groups} - {
-        x for r, lst in enumerate(rest) for x in lst if owner(x, new[0]) == r // groups
+        share[r // group] += len(lst)
+    surplus = sum(max(0, have[o] - share[o]) for o in range(world // group))
+    deficit = sum(max(0, share[o] - have[o]) for o in range(world // group))
+    moved = {x for r, lst in enumerate(rest) for x in lst if owner[x] != r // group} - {
+        x for r, lst in enumerate(rest) for x in lst if owner[x] == r // group
     }
     assert len(moved) == min(surplus, deficit)
     return flat
@@ -86,6 +101,13 @@ def check_rest(before: list[int], epoch_set: set[int], new: list[ShardedDistribu
 
 def same_layout(a: ShardedDistributedSampler, b: ShardedDistributedSampler) -> bool:
     return (a.num_replicas, a._group_size_for_order()) == (b.num_replicas, b._group_size_for_order())
+
+
+def saved(samplers: list[ShardedDistributedSampler]) -> dict:
+    """What the usual code saves: rank 0's state (lockstep), or every rank's count where the lengths differ."""
+    if samplers[0].even_divisible:
+        return samplers[0].state_dict()
+    return ShardedDistributedSampler.merge_states([s.state_dict() for s in reversed(samplers)])
 
 
 def resume(state, prev, prev_rest, counts, new, before, epoch_set, kw) -> list[int]:
@@ -99,7 +121,7 @@ def resume(state, prev, prev_rest, counts, new, before, epoch_set, kw) -> list[i
         assert rest == [r[c:] for r, c in zip(prev_rest, counts)]
         flat = [x for r in rest for x in r]
     else:
-        flat = check_rest(before, epoch_set, new, kw)
+        flat = check_rest(before, epoch_set, new, kw, epoch)
     for s in new:  # ready to be read again
         s.load_state_dict(state)
         s.set_epoch(epoch)
@@ -110,12 +132,14 @@ def resume(state, prev, prev_rest, counts, new, before, epoch_set, kw) -> list[i
 @given(st.data())
 def test_resume_on_any_layout_finishes_the_epoch_exactly_once(data):
     n = data.draw(st.integers(1, 60), "n")
-    old_l, new_l, third_l = (data.draw(layout(n), name) for name in ("old", "new", "third"))
+    # most draws resume onto two or more nodes, shuffled, in the shard-local order: where an item's node shows
+    nodes = data.draw(st.sampled_from([True, True, True, False]), "onto_nodes")
+    old_l, new_l, third_l = (data.draw(layout(n, nodes and name == "new"), name) for name in ("old", "new", "third"))
     even = data.draw(st.booleans(), "even_divisible") or n < max(old_l[0], new_l[0], third_l[0])
     drop_last = even and data.draw(st.booleans(), "drop_last") and n >= max(old_l[0], new_l[0], third_l[0])
     # 840: every world size 1..8 divides it (the canonical order's own tests use small ones)
-    canonical = data.draw(st.sampled_from([None, None, 840]), "canonical_shards")
-    kw = dict(shuffle=data.draw(st.booleans(), "shuffle"), drop_last=drop_last, even_divisible=even, seed=5,
+    canonical = None if nodes else data.draw(st.sampled_from([None, None, 840]), "canonical_shards")
+    kw = dict(shuffle=nodes or data.draw(st.booleans(), "shuffle"), drop_last=drop_last, even_divisible=even, seed=5,
               canonical_shards=canonical)  # fmt: skip
     epoch = data.draw(st.integers(0, 50), "epoch")
     old = make(n, old_l, **kw)
@@ -126,12 +150,6 @@ def test_resume_on_any_layout_finishes_the_epoch_exactly_once(data):
     k = data.draw(st.integers(1, max(map(len, full))), "k")  # k = 0 is an epoch boundary: the new layout's epoch
     counts = [min(k, len(r)) for r in full]  # ranks in lockstep; a short rank (even_divisible=False) has ended
     before = [x for r in read(old, counts) for x in r]
-
-    def saved(samplers):  # the usual code saves rank 0's state (lockstep); every rank's count when lengths differ
-        if even:
-            return samplers[0].state_dict()
-        return ShardedDistributedSampler.merge_states([s.state_dict() for s in reversed(samplers)])
-
     state = saved(old)
     new = make(n, new_l, **kw)
     flat = resume(state, old, full, counts, new, before, epoch_set, kw)
@@ -157,18 +175,48 @@ def test_resume_on_any_layout_finishes_the_epoch_exactly_once(data):
     assert set(before) | set(flat3) == epoch_set or drop_last
 
 
+@pytest.mark.parametrize(
+    "old_l, new_l",
+    [
+        ((4, "rank", 1), (6, "node", 2)),  # 4 ranks -> 3 nodes of 2
+        ((6, "node", 3), (8, "node", 4)),  # 2 nodes of 3 -> 2 nodes of 4
+        ((2, "node", 2), (8, "node", 2)),  # 1 node -> 4 nodes of 2
+        ((8, "node", 4), (6, "node", 2)),  # 2 nodes of 4 -> 3 nodes of 2
+        ((8, "node", 2), (4, "node", 2)),  # 4 nodes of 2 -> 2 nodes of 2: nested
+    ],
+)
+@pytest.mark.parametrize("even, drop_last", [(True, False), (True, True), (False, False)])
+def test_resume_onto_several_nodes_gives_each_node_its_own_items(old_l, new_l, even, drop_last):
+    """Explicit examples of what the property test above draws most: resumed onto two or more nodes of two or more
+    ranks, shuffled, an item leaves its node only to balance the ranks (``check_rest``)."""
+    n, epoch, steps = 47, 2, 3
+    kw = dict(shuffle=True, drop_last=drop_last, even_divisible=even, seed=3, canonical_shards=None)
+    old = make(n, old_l, **kw)
+    full = [s.indices_for_epoch(epoch) for s in old]
+    for s in old:
+        s.set_epoch(epoch)
+    counts = [min(steps, len(r)) for r in full]
+    before = [x for r in read(old, counts) for x in r]
+    epoch_set = {x for r in full for x in r}
+    flat = resume(saved(old), old, full, counts, make(n, new_l, **kw), before, epoch_set, kw)
+    assert set(before) | set(flat) == epoch_set or drop_last
+
+
 def test_a_node_keeps_its_items_when_the_layouts_nest():
-    # 2 nodes of 2 ranks; node 1 is lost after 3 steps, the job comes back as 1 node of 2 ranks
+    # 4 nodes of 2 ranks; nodes 2 and 3 are lost after 3 steps, the job comes back as 2 nodes of 2 ranks. Old
+    # nodes 0 and 2 hold what new node 0 owns, 1 and 3 what node 1 owns, and they read alike: no item moves.
     n, kw = 40, dict(shuffle=True, seed=3, shard_by="node", local_world_size=2)
-    old = [ShardedDistributedSampler(range(n), 4, r, **kw) for r in range(4)]
-    before = read(old, [3] * 4)
+    old = [ShardedDistributedSampler(range(n), 8, r, **kw) for r in range(8)]
+    before = read(old, [3] * 8)
     state = old[0].state_dict()
-    new = [ShardedDistributedSampler(range(n), 2, r, **kw) for r in range(2)]
+    new = [ShardedDistributedSampler(range(n), 4, r, **kw) for r in range(4)]
     for s in new:
         s.load_state_dict(state)
     rest = [list(s) for s in new]
     assert sorted(x for lst in before + rest for x in lst) == list(range(n))
-    assert [len(r) for r in rest] == [14, 14]
+    assert [len(r) for r in rest] == [4] * 4
+    owner, group = owners(new, 1)
+    assert group == 2 and all(owner[x] == r // 2 for r, lst in enumerate(rest) for x in lst)
     # 4 ranks -> 2 ranks by rank: old ranks 0 and 2 become new rank 0 (x % 2 == 0): no item moves
     old = [ShardedDistributedSampler(range(n), 4, r, seed=3) for r in range(4)]
     read(old, [4] * 4)
@@ -176,7 +224,8 @@ def test_a_node_keeps_its_items_when_the_layouts_nest():
     for s in new:
         s.load_state_dict(old[0].state_dict())
     rest = [list(s) for s in new]
-    assert all(x % 2 == r for r, lst in enumerate(rest) for x in lst) and [len(r) for r in rest] == [12, 12]
+    owner, _ = owners(new, 1)
+    assert all(owner[x] == r for r, lst in enumerate(rest) for x in lst) and [len(r) for r in rest] == [12, 12]
 
 
 def test_explicit_consumed_and_the_state_round_trip():
@@ -220,13 +269,15 @@ def global_order(samplers) -> list[int]:
 
 @PROPERTY
 @given(
-    st.integers(1, 80), st.sampled_from([1, 2, 4, 8, 12, 24]), st.integers(0, 20), st.booleans(), st.booleans(),
+    st.integers(2, 80), st.sampled_from([2, 4, 6, 8, 12, 24]), st.integers(0, 20), st.booleans(), st.booleans(),
     st.booleans(),
 )  # fmt: skip
 def test_canonical_order_is_the_same_on_every_world_size(n, canonical, epoch, shuffle, drop_last, even):
     drop_last = drop_last and even
     orders = {}
+    # world 1 and at least world 2 (canonical is even, n >= 2): never world 1 compared with itself alone
     worlds = [w for w in (1, 2, 3, 4, 6, 8) if canonical % w == 0 and (n >= w or (even and not drop_last))]
+    assert len(worlds) > 1
     for world in worlds:
         ss = [
             ShardedDistributedSampler(range(n), world, r, seed=9, shuffle=shuffle, drop_last=drop_last,

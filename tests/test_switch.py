@@ -3,8 +3,9 @@
 In this process: off, nothing is patched; on, every name is ours, results equal MONAI's, a bundle's short
 ``_target_`` finds ours, a module imported before gets one warning naming it; ``run --dry-run``. One subprocess:
 a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
-and a plain child inside it, ``monai-cache top``, the exit status, the sitecustomize chain, the log line. Two more:
-a chaining sitecustomize on either side of ours, each run once; one before ours that does not chain.
+and a plain child inside it (with a worker forked from it), ``monai-cache top``, the exit status, the sitecustomize
+chain, the log line (once, though both workers import MONAI), the bundle's DataLoader. Two more: a chaining
+sitecustomize on either side of ours, each run once; one before ours that does not chain.
 The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -243,10 +245,14 @@ def test_sitecustomize_chain_runs_each_once(tmp_path):
         assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch off"), lines
 
 
-@pytest.mark.slow
-def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_path, monkeypatch):
-    """One process tree: monai-cache run -> python -m monai.bundle run -> a spawned worker and two children."""
+@pytest.fixture(scope="module")
+def bundle_run(tmp_path_factory, volumes):
+    """One process tree: monai-cache run -> python -m monai.bundle run -> a spawned DataLoader worker, ``monai-cache
+    top``, and a plain child with a worker forked from it. Yields the probe's facts, stderr and the cache root."""
     pytest.importorskip("fire", reason="monai.bundle's command line needs 'fire' (in the test extras)")
+    tmp_path = tmp_path_factory.mktemp("bundle")
+    shm = f"/dev/shm/mc-test-switch-{os.getpid()}"
+    os.makedirs(shm)
     config = {
         "imports": ["$import switch_probe"],
         "datalist": volumes[:3],
@@ -275,15 +281,24 @@ def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_pat
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(other), REPO, SCRIPTS]),
         "OMP_NUM_THREADS": "1",
+        "MONAI_CACHE_SHM_DIR": shm,
     }
     cmd = [
         sys.executable, "-m", "monai_cache", "run", "--",
         sys.executable, "-m", "monai.bundle", "run", "--config_file", str(tmp_path / "bundle.json"),
     ]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
-    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]  # the probe's exit status, passed through
-    line = next(x for x in p.stdout.splitlines() if x.startswith("SWITCH_PROBE "))
-    facts = json.loads(line.split(" ", 1)[1])
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+        assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]  # the probe's exit status, passed through
+        line = next(x for x in p.stdout.splitlines() if x.startswith("SWITCH_PROBE "))
+        yield json.loads(line.split(" ", 1)[1]), p.stderr, os.path.join(shm, f"monai_cache-{os.getuid()}")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_bundle_with_short_names_under_monai_cache_run(bundle_run, volumes, monkeypatch):
+    facts, _stderr, root = bundle_run
     # the bundle's short names built ours; the disk cache gives MONAI's keys
     assert facts["dataset"] == "monai_cache.dataset.CacheDataset"
     assert facts["persistent"] == "monai_cache.persistent.PersistentDataset"
@@ -307,8 +322,15 @@ def test_bundle_with_short_names_under_monai_cache_run(shm_dir, volumes, tmp_pat
     assert facts["worker_switch"] == "1" and facts["worker_chained"] == "yes" and facts["chained"] == "yes"
     # a child that never imports MONAI: the switch waits for it, importing neither torch nor MONAI
     assert facts["child_modules"] == ["monai_cache.switch"]
-    # one log line: the bundle's process; not the worker, not the children
-    log = [x for x in p.stderr.splitlines() if "monai_cache switch on" in x]
-    assert len(log) == 1 and f"MONAI {monai.__version__}" in log[0] and "CacheDataset" in log[0], p.stderr[-3000:]
-    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
     assert not os.path.isdir(root) or not [n for n in os.listdir(root) if not n.startswith(".")]
+
+
+@pytest.mark.slow
+def test_log_line_once_though_a_forked_and_a_spawned_worker_import_monai(bundle_run):
+    """The worker rule: the bundle's process logs the line; a spawned DataLoader worker and a worker forked from a
+    process without MONAI each import MONAI with the switch on (it patches there too), and log nothing."""
+    facts, stderr, _root = bundle_run
+    assert facts["worker_dataset"] == "monai_cache.dataset" and facts["worker_pid"] != facts["pid"]
+    assert facts["forked_dataset"] == "monai_cache.dataset" and facts["forked_exitcode"] == 0
+    log = [x for x in stderr.splitlines() if "monai_cache switch on" in x]
+    assert len(log) == 1 and f"MONAI {monai.__version__}" in log[0] and "CacheDataset" in log[0], stderr[-3000:]

@@ -4,9 +4,9 @@
 
 It imports MONAI's ``CacheDataset``: the test starts it with or without the switch that makes that name ours.
 argv: data.json log_path epochs. Writes ``log_path.rank<N>.json`` per rank (the ranks share torchrun's stdout, where
-two long lines can interleave): the losses, what the Manager's list holds, and (when
-the dataset has it) ``cache_stats()`` read in this rank's main process after the last epoch; the loader's class, and
-each batch's digest and whether it came as one block (``batch_digest.py``).
+two long lines can interleave): the losses, what the Manager's list holds, (when the dataset has it)
+``cache_stats()`` read in this rank's main process after the last epoch, the pids of the rank's children, the
+loader's class, and each batch's digest and whether it came as one block (``batch_digest.py``).
 """
 
 import json
@@ -45,6 +45,20 @@ def get_shared_memory_list(length: int) -> list:
     shl = [mp.Manager().list([None] * length) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(shl, src=0)
     return shl[0]
+
+
+def children() -> list[int]:
+    """Pids of this process's children: its DataLoader workers (persistent: alive until the loader goes), and in
+    rank 0 the Manager's server."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.append(int(pid))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
 
 
 def main() -> None:
@@ -89,6 +103,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+    workers = children()  # the test tells by them which rank's workers computed which item
     dist.barrier()
     stats = train_ds.cache_stats()["total"] if hasattr(train_ds, "cache_stats") else None
     held = sum(item is not None for item in runtime_cache)  # what the Manager's server process holds
@@ -97,7 +112,7 @@ def main() -> None:
         loader_class = f"{type(loader).__module__}.{type(loader).__qualname__}"
         json.dump(
             {"rank": rank, "losses": losses, "digests": digests, "blocks": blocks, "loader": loader_class,
-             "manager_items": held, "stats": stats},
+             "manager_items": held, "stats": stats, "children": workers},
             f,
         )
     dist.destroy_process_group()
