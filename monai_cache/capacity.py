@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from monai_cache.launcher import launch_view
 from monai_cache.memory_limits import MachineMemory, memory_reserve
 from monai_cache.utils import format_bytes
 
@@ -23,12 +24,10 @@ def projected_bytes(entries: int, nbytes: int, length: int) -> int:
 
 
 def local_ranks() -> int:
-    """How many ranks of this job run on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun): all of
-    them share one copy of the cache."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """How many ranks of this job run on this machine: all of them share one copy of the cache. torchrun's
+    ``LOCAL_WORLD_SIZE``, else Slurm's tasks on this node (``SLURM_TASKS_PER_NODE`` and the like, in a Slurm task:
+    :func:`monai_cache.launcher.launch_view`); 1 outside a launcher, or where the value cannot be read."""
+    return max(1, launch_view(os.environ).local_world_size or 1)
 
 
 def docker_size(n: int) -> str:

@@ -310,7 +310,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=8, help="items to compute at most (default 8)")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop sampling after this long (default 60)")
     parser.add_argument("--ranks", type=int, default=None,
-                        help="ranks of the job on one machine (default $LOCAL_WORLD_SIZE or 1)")
+                        help="ranks of the job on one machine (default $LOCAL_WORLD_SIZE, else Slurm's tasks on "
+                        "this node, else 1)")
     parser.add_argument("--shm-dir", default=None, help="tmpfs of the cache (default $MONAI_CACHE_SHM_DIR or /dev/shm)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--no-progress", action="store_true", help="do not show which item is being computed")

@@ -40,6 +40,7 @@ from typing import Any
 from monai.transforms import Transform
 
 from monai_cache.keeper import wait_for_keepers
+from monai_cache.launcher import launch_view
 from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transforms
 from monai_cache.utils import format_table as render_table
 
@@ -109,7 +110,9 @@ def _rank(job_path: str) -> None:
 
     with open(job_path) as f:
         job = json.load(f)
-    run_dir, rank = os.path.dirname(job_path), int(os.environ["RANK"])
+    run_dir, rank = os.path.dirname(job_path), launch_view(os.environ).rank
+    if rank is None:
+        raise RuntimeError("a rank of the demo runs under the torchrun that the demo starts (RANK is not set)")
     dist.init_process_group("gloo")
     torch.manual_seed(job["seed"] + rank)
     files = make_dataset(job["data_dir"], job["items"], job["shape"], job["seed"])  # written already: reused

@@ -99,6 +99,7 @@ def torchrun_agent() -> tuple[int, int] | None:
         with contextlib.suppress(ValueError):
             pid, start = (int(x) for x in recorded.split(":"))
             return pid, start
+    # torchrun's own variables, not the launcher's view (monai_cache.launcher): a task that Slurm started has no agent
     if not os.environ.get("TORCHELASTIC_RUN_ID") or "LOCAL_RANK" not in os.environ:
         return None
     parent = os.getppid()

@@ -492,7 +492,8 @@ def plan_dataset(
             name files).
         max_seconds: stop sampling after this long (at least 2 items are computed).
         shm_dir: the tmpfs of the shared-memory cache (default ``$MONAI_CACHE_SHM_DIR`` or ``/dev/shm``).
-        ranks: ranks of the job on this machine (default ``$LOCAL_WORLD_SIZE`` or 1).
+        ranks: ranks of the job on this machine (default: torchrun's ``$LOCAL_WORLD_SIZE``, else Slurm's tasks on
+            this node, else 1: :func:`monai_cache.capacity.local_ranks`).
         progress: show which item is being computed, on standard error.
         name: how the report names the dataset.
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from monai_cache.errors import MonaiCacheWarning, warn
+from monai_cache.launcher import Launch, launch_view, parse_tasks_per_node
 from monai_cache.runtime import node_identity
 from monai_cache.sampler_order import (
     SHARD_BY,
@@ -108,11 +109,12 @@ def _format_ranks(ranks: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, ranks[:6])) + (", ...]" if len(ranks) > 6 else "]")
 
 
-def _local_world_size_of_process_group(num_replicas: int, rank: int) -> int:
+def _local_world_size_of_process_group(num_replicas: int, rank: int, launcher: str) -> int:
     """Ranks per node found by gathering every rank's machine identity over the default process group.
 
     Only gathers when the process group describes the sampler's layout (same world size and rank), so that
-    every rank takes part: a collective started on a subset of the ranks would wait forever.
+    every rank takes part: a collective started on a subset of the ranks would wait forever. ``launcher``: why the
+    launcher's variables gave no layout, for the error.
     """
     initialized = dist.is_available() and dist.is_initialized()
     if initialized and (dist.get_world_size(), dist.get_rank()) == (num_replicas, rank):
@@ -123,13 +125,45 @@ def _local_world_size_of_process_group(num_replicas: int, rank: int) -> int:
             f"{dist.get_world_size()}, rank {dist.get_rank()}), so the ranks of each machine cannot be gathered"
         )
     else:
-        reason = "torch.distributed is not initialised and LOCAL_WORLD_SIZE is not set"
+        reason = f"torch.distributed is not initialised and {launcher}"
     raise ValueError(
         f"shard_by='node' needs the number of ranks per node, but {reason}. Pass local_world_size=..., "
         "build the sampler on every rank after torch.distributed.init_process_group(), with num_replicas "
         "and rank left out or equal to the group's (the ranks of each machine are then found by one all-gather "
-        "of host names), or run under torchrun, which sets LOCAL_WORLD_SIZE."
+        "of host names), or run under torchrun, which sets LOCAL_WORLD_SIZE, or srun, which sets SLURM_PROCID "
+        "and SLURM_TASKS_PER_NODE."
     )
+
+
+def _local_world_size_of_launcher(view: Launch, num_replicas: int, rank: int) -> tuple[int | None, str]:
+    """Ranks per node as the launcher's variables give them (``view``): torchrun's ``LOCAL_WORLD_SIZE``, else
+    Slurm's tasks on this node where Slurm's rank and task count are the sampler's; with where it came from (for
+    messages), or ``None`` and why not (the process group is asked then).
+
+    Raises:
+        ValueError: the variable cannot be read, or Slurm's tasks per node differ between nodes.
+    """
+    name = view.source.get("local_world_size")
+    problem = view.problems.get("local_world_size")
+    if problem is not None:
+        raise ValueError(f"{problem}; pass local_world_size=... (the ranks on each node)")
+    if name is None:
+        return None, "LOCAL_WORLD_SIZE is not set (nor Slurm's tasks per node, in a Slurm task)"
+    if not name.startswith("SLURM_"):
+        return view.local_world_size, f" (from {name})"
+    # Slurm's tasks of this step, which may not be the sampler's ranks (a process group of its own): used only when
+    # Slurm's rank and task count are the sampler's
+    if (view.world_size, view.rank) != (num_replicas, rank):
+        return None, (
+            f"Slurm's variables describe task {view.rank} of {view.world_size}, not rank {rank} of {num_replicas}"
+        )
+    counts = {count for count, _nodes in parse_tasks_per_node(os.environ[name], name)}
+    if len(counts) > 1:
+        raise ValueError(
+            f"shard_by='node' needs the same number of ranks on every node, but {name}={os.environ[name]!r}. "
+            "Start the same number of tasks on every node (srun --ntasks-per-node), or use shard_by='rank'."
+        )
+    return view.local_world_size, f" (from {name}={os.environ[name]!r})"
 
 
 class ShardedDistributedSampler(DistributedSampler):
@@ -215,7 +249,12 @@ class ShardedDistributedSampler(DistributedSampler):
             numbered contiguously, as torchrun does (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``).
             ``None`` (default): the ``LOCAL_WORLD_SIZE`` environment variable when set (torchrun sets it; when
             ``RANK``, ``LOCAL_RANK`` and ``GROUP_RANK`` describe this process they are checked against the rule
-            above). Otherwise, when ``torch.distributed`` is initialised with this sampler's world size and
+            above). Else, in a task that Slurm's ``srun`` started without torchrun (Lightning's ``SLURMEnvironment``
+            included), Slurm's tasks on this node (``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE`` or
+            ``SLURM_NTASKS_PER_NODE``, by ``SLURM_NODEID``) where ``SLURM_PROCID`` and ``SLURM_NTASKS`` are this
+            sampler's ``rank`` and ``num_replicas``; every node must have the same count (else a ``ValueError``),
+            and ``SLURM_LOCALID`` / ``SLURM_NODEID`` are checked like torchrun's (:mod:`monai_cache.launcher`).
+            Otherwise, when ``torch.distributed`` is initialised with this sampler's world size and
             rank, the ranks of each machine are found by gathering every rank's host name over the default
             process group (any launcher: Lightning, ``srun``, ``mpirun``...): a collective, so build the
             sampler on every rank, as any collective requires (with NCCL, after
@@ -352,35 +391,36 @@ class ShardedDistributedSampler(DistributedSampler):
 
     @staticmethod
     def _resolve_local_world_size(local_world_size: int | None, num_replicas: int, rank: int) -> int:
+        view = launch_view(os.environ)
+        via = ""
         if local_world_size is None:
-            env = os.environ.get("LOCAL_WORLD_SIZE")
-            if env is not None:
-                try:
-                    local_world_size = int(env)
-                except ValueError:
-                    raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; pass local_world_size=...") from None
-            else:
-                return _local_world_size_of_process_group(num_replicas, rank)
+            local_world_size, via = _local_world_size_of_launcher(view, num_replicas, rank)
+            if local_world_size is None:
+                return _local_world_size_of_process_group(num_replicas, rank, via)
         if not is_int(local_world_size) or local_world_size < 1:
             raise ValueError(f"local_world_size must be a positive int, got {local_world_size!r}.")
         local_world_size = int(local_world_size)
         if num_replicas % local_world_size != 0:
             raise ValueError(
-                f"local_world_size={local_world_size} does not divide num_replicas={num_replicas}: "
-                "shard_by='node' needs the same number of ranks on every node (torchrun --nproc-per-node)."
+                f"local_world_size={local_world_size}{via} does not divide num_replicas={num_replicas}: "
+                "shard_by='node' needs the same number of ranks on every node (torchrun --nproc-per-node, "
+                "srun --ntasks-per-node)."
             )
-        # torchrun numbers ranks contiguously per node; check it when the environment describes this process.
-        env_rank, env_local, env_group = (os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
-        if env_rank == str(rank) and env_local is not None:
+        # torchrun and srun (block distribution) number ranks contiguously per node; check it when the launcher's
+        # variables describe this process.
+        if view.rank == rank and view.world_size in (None, num_replicas) and view.local_rank is not None:
             expected = (rank // local_world_size, rank % local_world_size)
-            got_node = int(env_group) if env_group is not None and env_group.lstrip("-").isdigit() else expected[0]
-            got_local = int(env_local) if env_local.lstrip("-").isdigit() else expected[1]
-            if (got_node, got_local) != expected:
+            got = (expected[0] if view.node is None else view.node, view.local_rank)
+            if got != expected:
+                found = [f"{view.source['local_rank']}={view.local_rank}"]
+                if view.node is not None:
+                    found.append(f"{view.source['node']}={view.node}")
                 warn(
-                    f"rank {rank} has LOCAL_RANK={env_local}, GROUP_RANK={env_group}, but shard_by='node' "
+                    f"rank {rank} has {', '.join(found)}, but shard_by='node' "
                     f"assumes node {expected[0]}, local rank {expected[1]} (rank // local_world_size, "
                     f"local_world_size={local_world_size}). Sampling stays correct, but a node's shard will not "
-                    "match the machine, so a per-node cache will miss; check local_world_size / the launcher.",
+                    "match the machine, so a per-node cache will miss; check local_world_size / the launcher "
+                    "(with srun: --distribution=block).",
                     MonaiCacheWarning,
                     stacklevel=4,
                 )

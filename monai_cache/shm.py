@@ -43,6 +43,7 @@ from monai_cache.errors import (
     warn,
 )
 from monai_cache.keeper import keep_alive_seconds
+from monai_cache.launcher import launch_view
 from monai_cache.memory_limits import MachineMemory, read_machine
 from monai_cache.runtime import COUNTERS, OFDLock, cache_stats, freed_large_item, release_freed_memory
 from monai_cache.shm_directory import (
@@ -667,10 +668,10 @@ class SharedMemoryStore:
 
 
 def _is_local_lead() -> bool:
-    """Whether this process belongs to this machine's rank 0 (torchrun's ``LOCAL_RANK``, else ``RANK``; any process
-    outside torchrun), its DataLoader workers included: the early warnings are given there, not by every rank."""
-    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
-    return rank.strip() in ("", "0")
+    """Whether this process belongs to this machine's rank 0 (the local rank of torchrun's ``LOCAL_RANK`` or Slurm's
+    ``SLURM_LOCALID``, else the rank; any process outside a launcher: :func:`monai_cache.launcher.launch_view`), its
+    DataLoader workers included: the early warnings are given there, not by every rank."""
+    return launch_view(os.environ).node_lead
 
 
 def _attach(

@@ -299,7 +299,8 @@ def _subclasses(classes: list[type]) -> Iterator[type]:
 
 
 def _is_main_process(environ: Any) -> bool:
-    """Not a multiprocessing child (a DataLoader worker, spawned or forked), and local rank 0 (or rank 0)."""
+    """Not a multiprocessing child (a DataLoader worker, spawned or forked), and local rank 0 (or rank 0): torchrun's
+    variables, else Slurm's (:func:`monai_cache.launcher.launch_view`)."""
     process = sys.modules.get("multiprocessing.process")
     if process is not None:
         current = process.current_process()
@@ -307,8 +308,9 @@ def _is_main_process(environ: Any) -> bool:
             return False
         if current.name != "MainProcess":
             return False
-    rank = environ.get("LOCAL_RANK", environ.get("RANK", "0"))
-    return str(rank).strip() in ("", "0")
+    from monai_cache.launcher import launch_view
+
+    return launch_view(environ).node_lead
 
 
 def _monai_version() -> str:

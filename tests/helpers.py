@@ -181,6 +181,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def slurm_task(procid: int, localid: int, nodeid: int, tasks_per_node: str) -> dict[str, str]:
+    """The variables of a task that ``srun`` started without torchrun, as Slurm 22.05 sets them (the step's and the
+    job's, equal here; ``SLURM_NTASKS_PER_NODE`` where every node has the same count, as with
+    ``--ntasks-per-node``, which Lightning asks for). Lightning's ``SLURMEnvironment`` reads these and exports none
+    of torchrun's variables: a test starts a rank with these, its ``MASTER_ADDR`` / ``MASTER_PORT``, and no other
+    launcher variable (``without_launcher``)."""
+    from monai_cache.launcher import parse_tasks_per_node
+
+    runs = parse_tasks_per_node(tasks_per_node)
+    ntasks, nnodes = sum(c * n for c, n in runs), sum(n for _c, n in runs)
+    env = {
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid),
+        "SLURM_NODEID": str(nodeid), "SLURM_NTASKS": str(ntasks), "SLURM_STEP_NUM_TASKS": str(ntasks),
+        "SLURM_NNODES": str(nnodes), "SLURM_TASKS_PER_NODE": tasks_per_node,
+        "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+    }  # fmt: skip
+    if len(runs) == 1:
+        env["SLURM_NTASKS_PER_NODE"] = str(runs[0][0])
+    return env
+
+
+def without_launcher(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without any variable of a launcher (torchrun's, Slurm's) or the machine identity override."""
+    from monai_cache.launcher import LAUNCHER_VARIABLES
+
+    drop = {*LAUNCHER_VARIABLES, "NODE_RANK", "MONAI_CACHE_NODE_ID"}
+    return {k: v for k, v in environ.items() if k not in drop and not k.startswith("SLURM_")}
+
+
+def as_slurm_task(monkeypatch, procid: int, localid: int, nodeid: int, tasks_per_node: str) -> None:
+    """This process as a task that srun started (``slurm_task``), with no other launcher variable."""
+    for name in os.environ.keys() - without_launcher(os.environ).keys():
+        monkeypatch.delenv(name)
+    for name, value in slurm_task(procid, localid, nodeid, tasks_per_node).items():
+        monkeypatch.setenv(name, value)
+
+
 class Times10(MapTransform):
     """Deterministic: x -> 10 x (for hash_as_key tests on plain numbers)."""
 

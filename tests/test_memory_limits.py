@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import mounted_tmpfs
+from helpers import as_slurm_task, mounted_tmpfs
 
 from monai_cache import CacheFullWarning
 from monai_cache.memory_limits import cgroup_memory, memory_reserve, read_machine
@@ -217,6 +217,21 @@ def test_explicit_budget_above_the_machine_is_warned_once(shm_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a budget within the machine is not warned about
         SharedMemoryStore("small-budget", 4, budget="1MiB").release()
+
+
+def test_budget_warning_once_per_node_in_slurm_tasks_without_torchrun(shm_dir, monkeypatch):
+    """Ranks that srun started, as Lightning's SLURMEnvironment leaves them (Slurm's variables only): the node's
+    second task says nothing, its first says it once."""
+    said, stores = [], []
+    for local_id in (1, 0, 0):  # users of one cache: the second task, the first, the first again
+        as_slurm_task(monkeypatch, 2 + local_id, local_id, 1, "2(x2)")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stores.append(SharedMemoryStore("slurm-budget", 4, budget="64TiB"))
+        said.append(len([w for w in caught if issubclass(w.category, CacheFullWarning)]))
+    for store in stores:
+        store.release()
+    assert said == [0, 1, 0]
 
 
 def test_early_warning_projects_the_whole_cache_from_its_first_entries(tmp_path):

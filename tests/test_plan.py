@@ -21,7 +21,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from helpers import mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
+from helpers import as_slurm_task, mounted_tmpfs, one_torch_thread  # noqa: F401 (an autouse fixture)
 from monai.transforms import Transform
 
 import monai_cache
@@ -86,10 +86,14 @@ def test_plan_projects_what_the_caches_then_hold(shm_dir, tmp_path, request, dat
     assert disk_plan.memory is None and disk_plan.cache_dir_free and disk_plan.cache_dir == str(tmp_path / "disk")
 
 
-def test_plan_of_a_partial_cache_and_of_monais_class(shm_dir, ct):
+def test_plan_of_a_partial_cache_and_of_monais_class(shm_dir, ct, monkeypatch):
     chain = tutorial_transforms(spatial_size=CROP)
     part = monai_cache.CacheDataset(ct, chain, cache_rate=0.5, runtime_cache=True, progress=False)
+    # planned in a task that srun started without torchrun (Lightning's SLURMEnvironment leaves Slurm's variables
+    # only): its ranks on this machine are Slurm's tasks on this node, the second of 4,3,3
+    as_slurm_task(monkeypatch, 5, 1, 1, "4,3(x2)")
     half = plan_dataset(part, samples=3)
+    assert half.ranks == 3 and "3 (one shared copy)" in half.format()
     assert half.cached_items == 6 and all(i < 6 for i in half.sampled)  # MONAI caches the first cache_num items
     # MONAI's CacheDataset keeps a copy in every rank: the plan counts them
     theirs = plan_dataset(monai.data.CacheDataset(ct, chain, runtime_cache=True, progress=False), samples=3, ranks=4)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 from collections import Counter
 
 import pytest
 import torch
+from helpers import as_slurm_task, without_launcher
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
@@ -289,10 +291,14 @@ def test_node_mode_with_one_rank_per_node_is_rank_mode():
             assert a.indices_for_epoch(e) == b.indices_for_epoch(e)
 
 
+def _no_launcher(monkeypatch) -> None:
+    for name in set(os.environ) - set(without_launcher(os.environ)):
+        monkeypatch.delenv(name)
+
+
 def test_node_mode_reads_local_world_size_from_env(monkeypatch):
+    _no_launcher(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"):
-        monkeypatch.delenv(k, raising=False)
     s = ShardedDistributedSampler(range(20), 4, 3, shard_by="node")
     assert (s.local_world_size, s.node_rank, s.local_rank) == (2, 1, 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
@@ -301,7 +307,7 @@ def test_node_mode_reads_local_world_size_from_env(monkeypatch):
 
 
 def test_node_mode_without_local_world_size_names_every_way_to_give_it(monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _no_launcher(monkeypatch)
     with pytest.raises(ValueError) as info:  # the issue's reproduction: no launcher variable, no process group
         ShardedDistributedSampler(range(8), num_replicas=2, rank=0, shard_by="node")
     message = str(info.value)
@@ -326,6 +332,7 @@ def test_machine_identity_is_the_host_unless_overridden(monkeypatch):
 
 
 def test_node_mode_checks_torchrun_layout(monkeypatch, recwarn):
+    _no_launcher(monkeypatch)
     # torchrun, 2 nodes x 2: rank 3 is node (GROUP_RANK) 1, LOCAL_RANK 1 -> consistent, no warning
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -336,6 +343,42 @@ def test_node_mode_checks_torchrun_layout(monkeypatch, recwarn):
     monkeypatch.setenv("GROUP_RANK", "0")  # a launcher that does not number ranks per node
     with pytest.warns(RuntimeWarning, match="GROUP_RANK=0"):
         ShardedDistributedSampler(range(20), 4, 3, shard_by="node")
+
+
+def test_node_mode_from_slurm_without_torchrun_and_before_the_process_group(monkeypatch, recwarn):
+    """A task that srun started, as Lightning's SLURMEnvironment leaves it (Slurm's variables only), building its
+    sampler before init_process_group: the layout is Slurm's, and equal to the one given explicitly."""
+    for rank in range(6):
+        as_slurm_task(monkeypatch, rank, rank % 2, rank // 2, "2(x3)")
+        s = ShardedDistributedSampler(range(29), 6, rank, seed=5, shard_by="node")
+        assert (s.local_world_size, s.node_rank, s.local_rank) == (2, rank // 2, rank % 2)
+        given = ShardedDistributedSampler(range(29), 6, rank, seed=5, shard_by="node", local_world_size=2)
+        assert all(s.indices_for_epoch(e) == given.indices_for_epoch(e) for e in range(3))
+    # SLURM_TASKS_PER_NODE alone (no step variables, no SLURM_NTASKS_PER_NODE): 4 nodes of 2
+    as_slurm_task(monkeypatch, 5, 1, 2, "2(x4)")
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name)
+    assert ShardedDistributedSampler(range(29), 8, 5, shard_by="node").local_world_size == 2
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_node_mode_from_slurm_refuses_or_warns_where_it_cannot_hold(monkeypatch):
+    # Slurm's tasks are not the sampler's ranks (another world size): the process group is asked, which is not there
+    as_slurm_task(monkeypatch, 3, 1, 1, "2(x2)")
+    with pytest.raises(ValueError, match="Slurm's variables describe task 3 of 4, not rank 3 of 8"):
+        ShardedDistributedSampler(range(20), 8, 3, shard_by="node")
+    # a different number of tasks on each node: node mode cannot hold, on every rank alike
+    as_slurm_task(monkeypatch, 5, 1, 2, "4,2(x2)")
+    with pytest.raises(ValueError, match=r"same number of ranks on every node, but SLURM_STEP_TASKS_PER_NODE='4,2"):
+        ShardedDistributedSampler(range(20), 8, 5, shard_by="node")
+    # a value that cannot be read: named
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4;4")
+    with pytest.raises(ValueError, match="SLURM_STEP_TASKS_PER_NODE='4;4' is not Slurm's tasks per node"):
+        ShardedDistributedSampler(range(20), 8, 5, shard_by="node")
+    # srun --distribution=cyclic: rank 1 is the first task of node 1, not rank // 2
+    as_slurm_task(monkeypatch, 1, 0, 1, "2(x2)")
+    with pytest.warns(RuntimeWarning, match="rank 1 has SLURM_LOCALID=0, SLURM_NODEID=1, but shard_by='node' assumes"):
+        ShardedDistributedSampler(range(20), 4, 1, shard_by="node")
 
 
 # ----------------------------------------------------------------------------- resume

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import without_launcher
 
 from monai_cache.sampler import ShardedDistributedSampler
 
@@ -25,10 +26,6 @@ WORKER = REPO / "tests" / "_sampler_scripts" / "gloo_worker.py"
 LAYOUT_WORKER = REPO / "tests" / "_sampler_scripts" / "node_layout_worker.py"
 WORLD = 2
 TIMEOUT_S = 120
-# variables of a launcher (and the machine identity): a test's launcher sets the ones it wants, the rest stay unset
-_LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MONAI_CACHE_NODE_ID"
-)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +40,11 @@ def _launch(world: int, script: Path, out: Path, env_of_rank) -> list[dict]:
     """Start ``world`` ranks of ``script OUT`` as independent processes; return each rank's ``rank{r}.json``.
 
     ``env_of_rank(rank)`` gives the launcher's variables of that rank, added to a copy of this environment
-    without the torchrun variables (so a launcher that does not set one really leaves it unset).
+    without any launcher's variables, torchrun's or Slurm's (so a launcher that does not set one really leaves it
+    unset).
     """
     port = _free_port()
-    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    base = without_launcher(os.environ)
     procs = []
     for rank in range(world):
         env = {

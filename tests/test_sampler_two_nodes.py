@@ -1,7 +1,11 @@
 """A simulated two-node run: 4 gloo ranks, 2 per "node", each node with its own shared-memory directory.
 
-The ranks are started without LOCAL_WORLD_SIZE, as Lightning or srun start them; each "node" has its own
-machine identity (``MONAI_CACHE_NODE_ID``), so the sampler finds the two nodes by gathering identities.
+The ranks are started as ``srun --ntasks-per-node=2`` starts them for Lightning: Slurm's variables only
+(``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_TASKS_PER_NODE=2(x2)``...) and the
+``MASTER_ADDR`` / ``MASTER_PORT`` that Lightning's ``SLURMEnvironment`` exports, none of torchrun's. The 4 processes
+share one host and no ``MONAI_CACHE_NODE_ID`` tells them apart, so the two nodes can only come from Slurm's
+variables (gathering host names would find one node of 4). (Gathering machine identities:
+tests/test_sampler_distributed.py.)
 
 With ShardedDistributedSampler(shard_by="node") each node's cache ends up holding only its node's shard,
 and from the second epoch on every read is a hit.
@@ -14,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from helpers import free_port
+from helpers import free_port, slurm_task, without_launcher
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts", "node_rank.py")
 
@@ -29,12 +33,9 @@ def test_two_nodes_each_cache_holds_its_shard_and_hits_from_epoch_two(tmp_path):
     try:
         for rank in range(nodes * per_node):
             node = rank // per_node
-            # a launcher that does not set LOCAL_WORLD_SIZE (Lightning, srun): the sampler finds each node's
-            # ranks by gathering their machine identities, here simulated machines named by MONAI_CACHE_NODE_ID
-            env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
-            env.update(RANK=str(rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(rank % per_node),
-                       NODE_RANK=str(node), MONAI_CACHE_NODE_ID=f"node{node}", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), MONAI_CACHE_SHM_DIR=node_dirs[node], OMP_NUM_THREADS="1")
+            env = {**without_launcher(os.environ), **slurm_task(rank, rank % per_node, node, f"{per_node}(x{nodes})")}
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MONAI_CACHE_SHM_DIR=node_dirs[node],
+                       OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "data.json"), str(epochs)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results = []
@@ -48,6 +49,8 @@ def test_two_nodes_each_cache_holds_its_shard_and_hits_from_epoch_two(tmp_path):
         for d in node_dirs:
             subprocess.run(["rm", "-rf", d], check=False)
     results.sort(key=lambda r: r["rank"])
+    # the layout is Slurm's: 2 nodes of 2 (the host names, all one, would give 1 node of 4)
+    assert [r["layout"] for r in results] == [[per_node, r // per_node, r % per_node] for r in range(nodes * per_node)]
     node_items = []
     for node in range(nodes):
         ranks = results[node * per_node : (node + 1) * per_node]

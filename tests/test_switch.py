@@ -12,6 +12,7 @@ The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutoria
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import warnings
 import monai.apps
 import monai.data
 import pytest
-from helpers import chain
+from helpers import as_slurm_task, chain, slurm_task
 from test_codec import assert_same
 
 import monai_cache
@@ -160,10 +161,28 @@ def test_module_imported_before_gets_one_warning_naming_it(tmp_path, monkeypatch
 
 @pytest.mark.parametrize(
     "environ, main",
-    [({}, True), ({"RANK": "0"}, True), ({"LOCAL_RANK": "0", "RANK": "3"}, True), ({"LOCAL_RANK": "1"}, False)],
-)
+    [({}, True), ({"RANK": "0"}, True), ({"LOCAL_RANK": "0", "RANK": "3"}, True), ({"LOCAL_RANK": "1"}, False),
+     (slurm_task(2, 0, 1, "2(x2)"), True), (slurm_task(3, 1, 1, "2(x2)"), False)],
+)  # fmt: skip
 def test_log_line_only_in_the_main_process(environ, main):
     assert switch._is_main_process(environ) is main
+
+
+@pytest.mark.parametrize("local_id", [0, 1])
+def test_log_line_once_per_node_in_a_slurm_task_without_torchrun(monkeypatch, local_id):
+    """A rank that srun started, as Lightning's SLURMEnvironment leaves it (Slurm's variables only): the switch,
+    turned on in it, logs its line in the node's first task only."""
+    as_slurm_task(monkeypatch, 2 + local_id, local_id, 1, "2(x2)")
+    logger, lines = logging.getLogger("monai_cache.switch"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(logger, "handlers", [handler])  # _announce adds its stderr handler only to a bare logger
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", monai_cache.SwitchWarning)  # other test modules bound MONAI's classes
+        switch.install(children=False, announce=True)
+    switch.uninstall()
+    assert len(lines) == (1 - local_id) and all(line.startswith("monai_cache switch on (MONAI") for line in lines)
 
 
 def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):

@@ -1,7 +1,7 @@
 """One rank of a simulated two-node job: each "node" has its own shared-memory directory.
 
-Env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, MONAI_CACHE_SHM_DIR (the node's /dev/shm) and
-MONAI_CACHE_NODE_ID (the node's identity). argv: data.json epochs
+Env: a Slurm task's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_TASKS_PER_NODE...),
+MASTER_ADDR, MASTER_PORT and MONAI_CACHE_SHM_DIR (the node's /dev/shm); none of torchrun's. argv: data.json epochs
 Prints one JSON line: the indices this rank read per epoch and the node cache's counters after each epoch.
 """
 
@@ -24,7 +24,10 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         data = json.load(f)
     epochs = int(sys.argv[2])
-    dist.init_process_group("gloo")
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"} & set(os.environ)
+    # as Lightning's SLURMEnvironment does: rank and world size from Slurm's variables, passed to the call
+    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     ds = monai_cache.CacheDataset(data, Compose([Times10(keys="x")]), runtime_cache=True, progress=False)
     sampler = monai_cache.ShardedDistributedSampler(ds, shuffle=True, seed=3, shard_by="node")
     loader = DataLoader(ds, batch_size=2, sampler=sampler, num_workers=1)
@@ -40,6 +43,7 @@ def main() -> None:
         stats.append(ds.cache_stats()["total"])
         dist.barrier()
     print(json.dumps({"rank": dist.get_rank(), "seen": per_epoch, "stats": stats,
+                      "layout": [sampler.local_world_size, sampler.node_rank, sampler.local_rank],
                       "entries": [i for i in range(len(ds)) if ds._cache.contains(i)]}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
