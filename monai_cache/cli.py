@@ -112,7 +112,7 @@ def _ls_run(args: argparse.Namespace) -> int:
     rows += [
         [
             c["key"],
-            c["state"],
+            _state(c),
             str(c["entries"]),
             format_bytes(c["bytes"]),
             str(len(c["processes"])),
@@ -126,6 +126,13 @@ def _ls_run(args: argparse.Namespace) -> int:
     total = sum(c["bytes"] for c in caches)
     print(f"{len(caches)} cache(s), {format_bytes(total)} in {os.path.dirname(caches[0]['path'])}")
     return 0
+
+
+def _state(cache: dict[str, Any]) -> str:
+    """A cache's state as ``ls`` shows it: a half-removed one names the process that began removing it."""
+    if cache["state"] != "half-removed":
+        return cache["state"]
+    return f"half-removed by pid {cache['remover']} ({'alive' if cache['remover_alive'] else 'dead'})"
 
 
 def _info_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,7 +210,7 @@ def _clear_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _clear_run(args: argparse.Namespace) -> int:
     from monai_cache import disk_format
-    from monai_cache.shm_directory import remove_cache
+    from monai_cache.shm_directory import remove_cache, remove_half_removed
     from monai_cache.utils import format_bytes
 
     if args.cache_dir is not None:
@@ -236,17 +243,19 @@ def _clear_run(args: argparse.Namespace) -> int:
     removed: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
     for c in caches:
-        # Only directories of this user's monai_cache root that hold our counters file are candidates.
-        if c["ours"] and (args.all or c["state"] == "stale") and remove_cache(c["key"], args.shm_dir, force=args.all):
-            removed.append(c)
-            continue
-        kept.append(c)
+        if c["state"] == "half-removed":  # its remover was killed (one at work holds the root lock: waited for)
+            done = remove_half_removed(c["key"], args.shm_dir)
+        else:  # only directories of this user's monai_cache root that hold our counters file are candidates
+            done = c["ours"] and (args.all or c["state"] == "stale") and remove_cache(c["key"], args.shm_dir, args.all)
+        (removed if done else kept).append(c)
     if args.json:
         print(json.dumps({"removed": removed, "kept": kept}, indent=1))
         return 0
     freed = sum(c["bytes"] for c in removed)
+    halves = sum(c["state"] == "half-removed" for c in removed)
+    half_note = f" ({halves} half-removed)" if halves else ""
     hint = "" if args.all else " (live or kept; --all removes them too)"
-    print(f"removed {len(removed)} cache(s), {format_bytes(freed)}; kept {len(kept)}{hint}")
+    print(f"removed {len(removed)} cache(s){half_note}, {format_bytes(freed)}; kept {len(kept)}{hint}")
     return 0
 
 
@@ -396,7 +405,7 @@ def _top_rows(caches: list[dict[str, Any]], before: dict[str, tuple[float, int]]
                 left = "full"
         before[c["key"]] = (now, c["entries"])
         rows.append([
-            c["key"], c["state"], filled, format_bytes(c.get("stored", c["bytes"])),
+            c["key"], _state(c), filled, format_bytes(c.get("stored", c["bytes"])),
             f"{c['hits'] / reads:.0%}" if reads else "-", str(c["hits"]), str(c["misses"]), str(len(c["processes"])),
             rate_text, left,
         ])  # fmt: skip

@@ -3,7 +3,9 @@
 Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md describes it in full)::
 
     root/monai_cache-<uid>/            mode 0700, owned by the user: nobody else can read or plant entries
-        .lock                          flock'ed while a process joins or leaves a cache (short)
+        .lock                          flock'ed while a process joins, leaves or removes a cache (short)
+        .trash.<pid>.<n>/              a cache being removed by process <pid> (under .lock), or left
+                                       half-removed by it, killed meanwhile (state half-removed)
         <key>/                         one directory per dataset fingerprint
             lease                      every process using the cache holds a shared flock on it
             keep                       present when the cache is to outlive its users (keep_warm=True)
@@ -22,7 +24,8 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
 
 :class:`CacheDirectory` is one process's handle on one such directory (one per process and cache, shared by
 the stores of the process through :func:`acquire` and :func:`release`): its index slots, segments and entry
-files, its counters, and its lease. :func:`list_caches` and :func:`remove_cache` serve the command line.
+files, its counters, and its lease. :func:`list_caches`, :func:`remove_cache` and :func:`remove_half_removed` serve
+the command line.
 
 Lifetime (:mod:`monai_cache.shm_lifetime`, which holds its rules): each process using a cache holds a shared
 ``flock`` on its lease file; the last to leave removes the cache, unless it is kept or a keeper holds it
@@ -55,6 +58,7 @@ from monai_cache.runtime import (
     COUNTERS,
     SharedCounters,
     fallocate,
+    pid_alive,
     read_counters,
     register,
     sweep_temp_files,
@@ -69,7 +73,9 @@ from monai_cache.shm_lifetime import (
     in_critical,
     owned_directory,
     reclaim_stale,
+    remove_abandoned,
     remove_dir,
+    remover_of,
     touch_private,
     try_exclusive,
     unlink_quiet,
@@ -86,9 +92,11 @@ __all__ = [
     "cache_root",
     "caches_in_front_of",
     "default_shm_dir",
+    "half_removed",
     "list_caches",
     "release",
     "remove_cache",
+    "remove_half_removed",
     "verify",
 ]
 
@@ -608,9 +616,10 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
 
     Returns:
         one dict per cache: ``key``, ``path``, ``bytes`` (allocated), ``entries``, ``length`` (the entries it has room
-        for, or None), ``stored`` (the bytes of its entries), ``hits``, ``misses``, ``state`` (``live``, ``kept`` or
-        ``stale``), ``ours`` (its counters have this version's layout) and ``disk_tier`` (the disk cache directory
-        behind it, or None).
+        for, or None), ``stored`` (the bytes of its entries), ``hits``, ``misses``, ``state`` (``live``, ``kept``,
+        ``stale`` or ``half-removed``), ``ours`` (its counters have this version's layout), ``disk_tier`` (the disk
+        cache directory behind it, or None), and ``remover`` and ``remover_alive`` (None but for a half-removed one:
+        :func:`half_removed`).
     """
     root = cache_root(shm_dir, create=False)
     if not os.path.isdir(root):
@@ -618,6 +627,11 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
     out = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
+        if remover_of(name) is not None:
+            info = half_removed(root, name)
+            if info is not None:
+                out.append(info)
+            continue
         if name.startswith(".") or not os.path.isdir(path) or not os.path.exists(os.path.join(path, "stats")):
             continue  # not one of our caches
         try:
@@ -647,9 +661,65 @@ def list_caches(shm_dir: str | None = None) -> list[dict[str, Any]]:
                 "state": "live" if live else ("kept" if os.path.exists(os.path.join(path, "keep")) else "stale"),
                 "ours": magic == MAGIC,
                 "disk_tier": disk_tier_of(path),
+                "remover": None,
+                "remover_alive": None,
             }
         )
     return out
+
+
+def half_removed(root: str, name: str) -> dict[str, Any] | None:
+    """The cache ``name`` of ``root`` left half-removed (``.trash.<pid>.<n>``: :func:`.shm_lifetime.remover_of`) as
+    :func:`list_caches` describes caches; None if it is not ours, or is gone once the root lock is ours (its remover
+    was at work: it finished).
+
+    ``state`` is ``half-removed``, ``bytes`` and ``stored`` what its files still hold, ``remover`` the pid that
+    began the removal and ``remover_alive`` whether that pid runs now (a zombie counts as dead). Seen under the root
+    lock, it is abandoned either way: a live pid is another process's now, or one of another pid namespace.
+    """
+    path = os.path.join(root, name)
+    pid = remover_of(name)
+    if pid is None or not owned_directory(path):
+        return None
+    with RootLock(root):  # a removal under way holds it to the end: we see it done, or abandoned
+        try:
+            with os.scandir(path) as it:
+                nbytes = sum(_blocks_of(e) for e in it)
+        except FileNotFoundError:
+            return None
+    return {
+        "key": name,
+        "path": path,
+        "bytes": nbytes,
+        "entries": 0,
+        "length": None,
+        "stored": nbytes,
+        "hits": 0,
+        "misses": 0,
+        "state": "half-removed",
+        "ours": True,
+        "disk_tier": None,
+        "remover": pid,
+        "remover_alive": pid_alive(pid),
+    }
+
+
+def remove_half_removed(key: str, shm_dir: str | None = None) -> bool:
+    """Remove the half-removed cache ``key`` (``.trash.<pid>.<n>``: its remover was killed). True if removed.
+
+    Taken under the root lock, which every removal holds until its last file: a removal under way is never
+    touched (it is over when the lock is ours). The pid in the name is not asked: it may be reused, or name a
+    process of another pid namespace.
+
+    Args:
+        key: the directory's name (``list_caches()[i]["key"]`` of a ``half-removed`` one).
+        shm_dir: the tmpfs directory (default :func:`default_shm_dir`).
+    """
+    root = cache_root(shm_dir, create=False)
+    if "/" in key or remover_of(key) is None:
+        return False
+    with RootLock(root):
+        return remove_abandoned(root, key)
 
 
 def length_of(path: str) -> int | None:

@@ -7,7 +7,9 @@ cache (:func:`reclaim_stale`), unless it is kept (a ``keep`` file: ``keep_warm``
 holds a lease while the node's agent lives, so that restarted ranks find the cache; with ``keep_alive`` one holds it
 that many seconds after its last user left (:mod:`monai_cache.keeper`, which ends with :func:`release_keeper`).
 Joining, leaving, reclaiming and a keeper's end all happen under the per-user root's lock (:class:`RootLock`), so
-that a process probing a lease never mistakes another prober for a user.
+that a process probing a lease never mistakes another prober for a user. A removal holds it too, from the renaming
+of the directory to ``.trash.<pid>.<n>`` to its last file (:func:`remove_dir`): a ``.trash.`` directory seen under
+the lock was left half-removed by a killed process, and is removed (:func:`remove_abandoned`).
 
 The caches' processes (:mod:`monai_cache.shm_directory`) and the keeper (a process without torch) both use this
 module; it imports neither of them.
@@ -25,6 +27,7 @@ import threading
 from collections.abc import Callable
 
 __all__ = [
+    "TRASH_PREFIX",
     "RootLock",
     "defer",
     "enter_critical",
@@ -33,7 +36,9 @@ __all__ = [
     "owned_directory",
     "reclaim_stale",
     "release_keeper",
+    "remove_abandoned",
     "remove_dir",
+    "remover_of",
     "touch_private",
     "try_exclusive",
     "unlink_quiet",
@@ -120,16 +125,42 @@ def try_exclusive(lease_path: str, create: bool = True) -> int | None:
 
 
 _trash_numbers = itertools.count()
+TRASH_PREFIX = ".trash."
+"""A cache being removed is renamed ``.trash.<pid>.<n>`` (:func:`remove_dir`): ``pid`` the remover's."""
 
 
 def remove_dir(path: str) -> None:
-    """Remove a cache directory: rename it away first so no reader sees it half-deleted."""
-    trash = f"{os.path.dirname(path)}/.trash.{os.getpid()}.{next(_trash_numbers)}"
+    """Remove a cache directory: rename it away first so no reader sees it half-deleted. Caller holds the root
+    lock (every caller does), from the rename to the last file: whoever holds that lock sees no removal under way,
+    and a ``.trash.`` directory it finds is one whose remover was killed (:func:`remover_of`)."""
+    trash = f"{os.path.dirname(path)}/{TRASH_PREFIX}{os.getpid()}.{next(_trash_numbers)}"
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def remover_of(name: str) -> int | None:
+    """The pid of the process that began removing the cache now named ``name`` (``.trash.<pid>.<n>``), or None if
+    ``name`` is not such a half-removed cache's. Under the root lock no removal is under way, so the directory is
+    abandoned whatever the pid is now: that process was killed (SIGKILL in the middle of the removal), and the pid
+    may since be another process's, or name one in another pid namespace sharing the tmpfs (containers with
+    ``--ipc=host``)."""
+    if not name.startswith(TRASH_PREFIX):
+        return None
+    pid, dot, n = name[len(TRASH_PREFIX) :].partition(".")
+    return int(pid) if pid.isdigit() and dot and n.isdigit() else None
+
+
+def remove_abandoned(root: str, name: str) -> bool:
+    """Remove the half-removed cache ``name`` of ``root`` (:func:`remover_of`) if it is still there; True if it
+    was. Caller holds the root lock: no remover is at work on it."""
+    path = os.path.join(root, name)
+    if remover_of(name) is None or not owned_directory(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 def owned_directory(path: str) -> bool:
@@ -148,8 +179,8 @@ def reclaim_stale(root: str, skip: str | None = None) -> list[str]:
         path = os.path.join(root, name)
         if not owned_directory(path):
             continue  # not ours (planted by another user, or not a directory): never removed
-        if name.startswith(".trash."):
-            shutil.rmtree(path, ignore_errors=True)
+        if remover_of(name) is not None:  # its remover was killed: we hold the root lock, every remover does
+            remove_abandoned(root, name)
             continue
         if name.startswith(".") or path == skip:
             continue

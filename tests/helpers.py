@@ -4,12 +4,17 @@ across processes (by appending to a file), so tests can tell how often determini
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import math
 import os
+import select
+import signal
 import socket
 import subprocess
-from collections.abc import Hashable, Mapping, Sequence
+import time
+import traceback
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -236,6 +241,73 @@ class RandZeroInPlace(MapTransform, RandomizableTrait):
         for k in self.key_iterator(d):
             d[k].mul_(0)
         return d
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+REAPERS = {"prompt": 0.0, "slow": 1.0}
+"""How long after an orphan exits its reaper reaps it: at once (tini, ``docker --init``), or a second late (an init
+busy elsewhere, as on the machine that wrote these tests)."""
+
+
+def under_reaper(kind: str, body: Callable[[], None], guard_s: float = 120.0) -> None:
+    """Run ``body`` in a forked child T of a reaper R (a fork of this interpreter: no interpreter start): R is a
+    child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so the processes T's children leave behind (a keeper, which
+    detaches with a double fork) are R's once orphaned, and R reaps each ``REAPERS[kind]`` seconds after it exits,
+    as init does in a container. T's own children are T's to reap. A failure in ``body`` fails the test with T's
+    traceback."""
+    delay = REAPERS[kind]
+    r, w = os.pipe()  # close-on-exec: the processes the body starts do not hold it open
+    reaper = os.fork()
+    if reaper == 0:  # R
+        try:
+            os.close(r)
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+                os.write(w, f"prctl(PR_SET_CHILD_SUBREAPER): errno {ctypes.get_errno()}".encode())
+                os._exit(1)
+            test = os.fork()
+            if test == 0:  # T
+                try:
+                    body()
+                    os.write(w, b"ok")
+                except BaseException:
+                    os.write(w, traceback.format_exc().encode())
+                finally:
+                    os._exit(0)
+            os.write(w, f"{test}\n".encode())
+            os.close(w)  # the pipe ends when T does
+            while True:  # reap every child of R (T and the orphans it adopted)
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # blocks until one has exited
+                if info is None:
+                    continue
+                if info.si_pid != test and delay:
+                    time.sleep(delay)
+                os.waitpid(info.si_pid, 0)
+                if info.si_pid == test:
+                    break
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    deadline = time.monotonic() + guard_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(r, 65536) if ready else b""
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(r)
+        head, _, result = out.partition(b"\n")
+        if time.monotonic() >= deadline and head.isdigit():  # T hangs
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(head), signal.SIGKILL)
+        # T is done; R may still be letting an orphan wait: the test is over, init takes what R leaves
+        os.kill(reaper, signal.SIGKILL)
+        os.waitpid(reaper, 0)
+    if result != b"ok":
+        pytest.fail(f"under a {kind} reaper:\n{(result or out).decode(errors='replace')}", pytrace=False)
 
 
 @contextlib.contextmanager

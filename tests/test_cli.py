@@ -200,3 +200,110 @@ def test_bench_is_not_a_command_of_the_package():
     with pytest.raises(SystemExit) as exit_info:  # argparse: an unknown command
         cl("bench")
     assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------------- half-removed caches
+def _remover(mode: str) -> tuple[int, int]:
+    """Fork a process (no interpreter start) that fills a cache of 24 entry files and leaves it as its last user: the
+    removal renames it ``.trash.<pid>.<n>`` and removes it under the root lock, here one file at a time. It writes
+    ``half`` to the pipe returned when half the files are gone, then stops there (``stop``: to be killed) or goes
+    on (``finish``, 20 ms a file); a file it removes that someone else removed first fails it (traceback, exit 1)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            import shutil
+            import time
+            import traceback
+
+            from monai_cache.shm import SharedMemoryStore
+
+            store = SharedMemoryStore("removed", 24, pack=False)
+            for i in range(24):
+                store[i] = {"x": i}
+
+            def one_by_one(path: str, ignore_errors: bool = False) -> None:
+                names = sorted(os.listdir(path))
+                for k, name in enumerate(names):
+                    os.unlink(os.path.join(path, name))  # FileNotFoundError: another process removed it under us
+                    if k == len(names) // 2:
+                        os.write(w, b"half\n")
+                        if mode == "stop":
+                            time.sleep(600)
+                    time.sleep(0.02)
+                os.rmdir(path)
+
+            shutil.rmtree = one_by_one  # this fork's, which shm_lifetime.remove_dir calls
+            try:
+                store.release()  # the last user leaves: the cache is removed
+                code = 0
+            except BaseException:
+                os.write(w, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def _read_line(fd: int) -> bytes:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], 60)  # a hang guard
+    assert ready, "the remover never got half-way"
+    return os.read(fd, 4096)
+
+
+def test_a_cache_half_removed_by_a_killed_process_is_listed_and_cleared(shm_dir):
+    from monai_cache.shm import cache_root
+
+    root = cache_root()
+    pid, pipe = _remover("stop")
+    try:
+        assert _read_line(pipe) == b"half\n"
+        (trash,) = [n for n in os.listdir(root) if n.startswith(f".trash.{pid}.")]  # the removal's own name
+        left = len(os.listdir(os.path.join(root, trash)))
+        assert 0 < left < 24
+    finally:
+        os.kill(pid, signal.SIGKILL)  # in the middle of the removal, the root lock held
+        os.waitpid(pid, 0)  # reaped: a dead pid
+        os.close(pipe)
+    # a removal of another pid namespace, or whose pid is another process's now (ours: alive), also abandoned
+    reused = f".trash.{os.getpid()}.999999"
+    os.mkdir(os.path.join(root, reused))
+    with open(os.path.join(root, reused, "s.0"), "wb") as f:
+        f.write(bytes(8192))
+
+    listed = {c["key"]: c for c in json.loads(cl("ls", "--json").stdout)}
+    assert set(listed) == {trash, reused}
+    assert listed[trash]["state"] == "half-removed" and listed[trash]["bytes"] > 0
+    assert (listed[trash]["remover"], listed[trash]["remover_alive"]) == (pid, False)
+    assert (listed[reused]["remover"], listed[reused]["remover_alive"]) == (os.getpid(), True)
+    table = cl("ls").stdout
+    assert f"half-removed by pid {pid} (dead)" in table and f"half-removed by pid {os.getpid()} (alive)" in table
+
+    out = cl("clear").stdout  # no --all: nobody holds either
+    assert "removed 2 cache(s) (2 half-removed)" in out, out
+    assert [n for n in os.listdir(root) if not n.startswith(".lock")] == []
+    assert "no monai_cache shared-memory caches" in cl("ls").stdout
+
+
+def test_clear_all_never_touches_a_removal_under_way(shm_dir):
+    from monai_cache.shm import cache_root
+
+    root = cache_root()
+    pid, pipe = _remover("finish")
+    try:
+        assert _read_line(pipe) == b"half\n"
+        assert [n for n in os.listdir(root) if n.startswith(f".trash.{pid}.")]  # being removed now
+        out = json.loads(cl("clear", "--all", "--json").stdout)  # waits for the removal to end
+        assert out == {"removed": [], "kept": []}
+        failure = b""
+        while chunk := os.read(pipe, 65536):
+            failure += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(pipe)
+    assert os.waitstatus_to_exitcode(status) == 0, failure.decode()  # every file it removed was still there
+    assert [n for n in os.listdir(root) if not n.startswith(".lock")] == []

@@ -8,6 +8,7 @@ killed with SIGKILL; the restart reads without workers) asserts everything about
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import REAPERS, free_port, under_reaper
 
 SCRIPTS = Path(__file__).parent / "_scripts"
 N_ITEMS, EPOCHS, WORLD = 8, 2, 2
@@ -88,7 +89,13 @@ def test_torchrun_restarts_find_the_cache_and_resume_each_item_once(tmp_path, sh
     _wait_until(lambda: not _keepers_of(shm_dir), "a keeper outlived its job")
 
 
-def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monkeypatch):
+def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir):
+    """The keeper, once orphaned, is reaped the moment it exits (``under_reaper``: tini, ``docker --init``); the
+    zombie-agent test below runs under a slow reaper too."""
+    under_reaper("prompt", functools.partial(_keep_alive, shm_dir))
+
+
+def _keep_alive(shm_dir: str) -> None:
     from monai_cache.shm import SharedMemoryStore
 
     store = SharedMemoryStore("plain", 2)  # the default: removed when its last user leaves, as before
@@ -96,7 +103,7 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
     store.release()
     assert not os.path.exists(path) and not _keepers_of(shm_dir)
 
-    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", str(KEEP_ALIVE_S))  # the environment reaches every dataset class
+    os.environ["MONAI_CACHE_KEEP_ALIVE"] = str(KEEP_ALIVE_S)  # the environment reaches every dataset class
     first = SharedMemoryStore("notebook", 2)
     first[0] = {"x": 7}
     path = first.path
@@ -121,7 +128,7 @@ def test_keep_alive_keeps_a_cache_for_the_next_run_then_removes_it(shm_dir, monk
     assert gone >= left + KEEP_ALIVE_S, f"removed {left + KEEP_ALIVE_S - gone:.2f} s before the deadline"
     _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
 
-    monkeypatch.setenv("MONAI_CACHE_KEEP_ALIVE", "soon")
+    os.environ["MONAI_CACHE_KEEP_ALIVE"] = "soon"
     with pytest.raises(ValueError, match="MONAI_CACHE_KEEP_ALIVE"):
         SharedMemoryStore("bad", 2)
     with pytest.raises(ValueError, match="keep_alive"):
@@ -133,37 +140,78 @@ def _stat(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()  # state, ppid, ...
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = _stat(pid)
+def _cpu_seconds(pid: int, start_time: int) -> float | None:
+    """CPU seconds process ``pid`` (started at ``start_time``) has used, None once it is gone: reaped, which a
+    prompt reaper (tini, ``docker --init``) does the moment it exits."""
+    try:
+        fields = _stat(pid)
+    except FileNotFoundError:
+        return None
+    if int(fields[19]) != start_time:  # gone, its pid reused
+        return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def test_keeper_takes_an_agent_that_exited_unreaped_for_gone(shm_dir, monkeypatch):
+@pytest.mark.parametrize("reaper", sorted(REAPERS))
+def test_under_reaper_adopts_orphans_and_reaps_them_at_once_or_late(reaper):
+    """The harness of the keeper tests: an orphan (``sleep``, left by ``sh``) is the reaper's, reaped at once by the
+    prompt one, still a zombie half a second after its exit under the slow one."""
+    under_reaper(reaper, functools.partial(_orphan_reaped, reaper))
+
+
+def _orphan_reaped(reaper: str) -> None:
+    out = subprocess.run(
+        ["sh", "-c", "sleep 0.3 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    ).stdout
+    orphan = int(out)
+    assert _stat(orphan)[1] == str(os.getppid())  # adopted by the subreaper, not by init
+    _wait_until(lambda: not os.path.exists(f"/proc/{orphan}") or _stat(orphan)[0] == "Z", "sleep did not exit")
+    time.sleep(0.5)
+    try:
+        state = _stat(orphan)[0]
+    except FileNotFoundError:
+        state = "reaped"
+    assert state == {"prompt": "reaped", "slow": "Z"}[reaper], state
+
+
+@pytest.mark.parametrize("reaper", sorted(REAPERS))
+def test_keeper_takes_an_agent_that_exited_unreaped_for_gone(shm_dir, reaper):
     """torchrun's agent has exited, but whatever started it has not reaped it yet (a zombie: a launcher waiting on
     something else first, as the doc-example tests did): the keeper removes the cache and exits, as for an agent
     gone altogether. It used to take the zombie for the agent alive and wait on its pidfd, readable since the exit,
-    so it spun on a full CPU until the zombie was reaped."""
+    so it spun on a full CPU until the zombie was reaped. The keeper, once orphaned, is reaped at once or a second
+    late (``under_reaper``)."""
+    under_reaper(reaper, functools.partial(_zombie_agent, shm_dir))
+
+
+def _zombie_agent(shm_dir: str) -> None:
     from monai_cache import keeper
     from monai_cache.shm import SharedMemoryStore
 
     agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         # what a rank's spawned DataLoader worker finds in its environment: the node's agent
-        monkeypatch.setenv(keeper.ENV_AGENT, f"{agent.pid}:{keeper._start_time(agent.pid)}")
+        os.environ[keeper.ENV_AGENT] = f"{agent.pid}:{keeper._start_time(agent.pid)}"
         store = SharedMemoryStore("zombie-agent", 2)
         store[0] = {"x": 1}
         path = store.path
         (kept_by,) = _keepers_of(shm_dir)
+        began = keeper._start_time(kept_by)
+        assert began is not None  # the keeper runs: it holds the cache
         store.release()
         assert os.path.isdir(path)  # held by the keeper while the agent runs
         assert agent.stdin is not None
         agent.stdin.close()  # the agent exits; nobody reaps it (no wait() until the end)
         _wait_until(lambda: _stat(agent.pid)[0] == "Z", "the agent did not exit")
-        cpu_then = _cpu_seconds(kept_by)
-        _wait_until(lambda: not os.path.exists(path) or _cpu_seconds(kept_by) - cpu_then > 3.0, "")
+        cpu_then = _cpu_seconds(kept_by, began)  # None: the keeper is done already, and was reaped at once
+
+        def spent() -> float:  # CPU seconds the keeper used since; one gone uses no more
+            now = _cpu_seconds(kept_by, began)
+            return 0.0 if now is None or cpu_then is None else now - cpu_then
+
+        _wait_until(lambda: not os.path.exists(path) or spent() > 3.0, "")
         assert not os.path.exists(path), (
-            f"the keeper kept the cache of an agent that exited, and used {_cpu_seconds(kept_by) - cpu_then:.1f} "
-            "CPU s meanwhile"
+            f"the keeper kept the cache of an agent that exited, and used {spent():.1f} CPU s meanwhile"
         )
         _wait_until(lambda: not _keepers_of(shm_dir), "the keeper did not exit")
     finally:
