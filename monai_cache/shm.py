@@ -384,8 +384,8 @@ class SharedMemoryStore:
         if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
             # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
             # back before the next is computed (see runtime). Not otherwise: re-faulting the pages cost 7-13 % of a
-            # CT volume's compute (25-51 ms, 5,000-11,000 more page faults: benchmarks/fill_breakdown.py), and glibc
-            # reuses them anyway.
+            # CT volume's compute (25-51 ms, 5,000-11,000 more page faults, measured part by part in one process), and
+            # glibc reuses them anyway.
             freed_large_item()
         if not entries:
             return False

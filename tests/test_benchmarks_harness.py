@@ -105,41 +105,19 @@ def test_bench_cache_launch_two_ranks(tmp_path):
     assert not os.path.exists(shm_dir)
 
 
-def test_profile_miss_names_each_sample_by_the_outermost_part_below_the_miss_path(tmp_path):
-    # py-spy's raw format: frames outermost first, joined by ';', then the sample count
-    profile_miss = importlib.import_module("profile_miss")
-    top = ("<module> (loop.py:1);SharedMemoryStore.get_or_compute (monai_cache/shm.py:544);"
-           "SharedMemoryStore._get_or_compute (monai_cache/shm.py:570)")
-    write = (f"{top};SharedMemoryStore._write_computed (monai_cache/shm.py:428);"
-             "SharedMemoryStore._write (monai_cache/shm.py:372)")
-    raw = tmp_path / "samples.txt"
-    raw.write_text("\n".join([
-        f"{write};encode (monai_cache/codec.py:436);JSONEncoder.encode (json/encoder.py:200) 5",
-        f"{write};SharedMemoryStore._reserve_space (monai_cache/shm.py:441);SharedCounters.add (x.py:1) 3",
-        # the segment write calls fallocate: counted once, as the write, not as anything inside it
-        f"{write};CacheDirectory.append (monai_cache/shm_directory.py:403);fallocate (monai_cache/runtime.py:702) 2",
-        f"{top};OFDLock.__enter__ (monai_cache/runtime.py:275) 4",
-        f"{top} 1",  # the store's own line
-        "<module> (loop.py:1);make (bench_scale.py:70) 50",  # outside the miss path: not counted
-    ]) + "\n")
-    counts, total = profile_miss.parts_of(str(raw))
-    assert total == 15
-    assert counts == {"encode": 5, "shared counters and room": 3, "write into the segment": 2, "entry lock": 4,
-                      "the rest": 1}
-
-
-def test_first_pass_times_both_passes_of_every_configuration_and_the_random_transform_inside():
-    first_pass = importlib.import_module("first_pass")
-    results = first_pass.measure(items=24, repeats=2)
-    assert set(results) == set(first_pass.CONFIGS)
-    for config, repeats in results.items():
-        assert len(repeats) == 2 and all(len(passes) == len(first_pass.PASSES) for passes in repeats), config
-        for whole, random_part in (p for passes in repeats for p in passes):
-            assert 0 < random_part < whole, (config, whole, random_part)  # the flip ran, inside the timed read
-    lines = first_pass.table(results).splitlines()
-    # header and rule, then per pass and configuration: the whole read, the random transform, the rest
-    assert len(lines) == 2 + len(first_pass.PASSES) * len(first_pass.CONFIGS) * 3
-    for line in lines[2:]:
-        cells = line.split()
-        reference = "uncached" if cells[0] == "first" else "monai"  # what the difference is taken from
-        assert (cells[1] == reference) == (cells[-1][0] not in "+-"), line
+def test_one_entry_point_runs_every_suite(capsys):
+    """``python -m benchmarks`` lists the suites; each names a script of benchmarks/ with a main() that parses
+    its own options (``--help`` exits before running anything)."""
+    entry = importlib.import_module("benchmarks.__main__")
+    assert entry.main([]) == 0
+    listed = capsys.readouterr().out
+    scripts = {f[:-3] for f in os.listdir(BENCHMARKS) if f.endswith(".py")}
+    for suite, (module, _what) in entry.SUITES.items():
+        assert suite in listed and module in scripts, suite
+        assert callable(importlib.import_module(module).main), module
+    # every script of benchmarks/ is a suite, the harness they share, or a rank script a suite starts
+    assert scripts - {m for m, _w in entry.SUITES.values()} == {"__init__", "__main__", "harness", "large_item"}
+    with pytest.raises(SystemExit) as exited:
+        entry.main(["spleen-switch", "--help"])
+    assert exited.value.code == 0 and "--repeats" in capsys.readouterr().out
+    assert entry.main(["no-such-suite"]) == 2
