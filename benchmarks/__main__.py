@@ -23,7 +23,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "tiers": ("bench_tiers", "the two tiers (shared memory and disk) against MONAI, 2 ranks started like torchrun"),
     "smartcache": ("bench_smartcache", "SmartCacheDataset: epochs, CPU and memory"),
     "sampler": ("bench_sampler", "the shard-local sampler against DistributedSampler: hits per epoch"),
-    "restart": ("bench_restart", "a rank killed mid-epoch under torchrun --max-restarts=1: time until training resumes"),
+    "restart": ("bench_restart", "a rank killed mid-epoch under torchrun --max-restarts=1: time to resume"),
     "scale": ("bench_scale", "100,000 small items and large items: throughput and memory"),
     "fill-memory": ("bench_fill_memory", "memory right after the eager fill"),
     "plan": ("bench_plan", "monai-cache plan: its time and how far its projection is"),
