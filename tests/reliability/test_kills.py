@@ -282,12 +282,21 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
         return start_rank(FORK, target.build, f"rank{r}", seed=seed * 1000 + incarnation, persistent=(r == 0),
                           sizes=target.sizes)
 
-    def progress(rank, epochs: int, when: str) -> bool:
+    def progress(r: int, epochs: int, when: str) -> bool:
+        rank = ranks[r]
         ok = rank.wait_epochs(epochs, PROGRESS_TIMEOUT)
         stuck = not ok and not rank.failures  # no wrong item, no error: it is stuck
+        where = stacks(rank.pid) if stuck else ""
+        if stuck and torch_event_deadlock(where):
+            # torch's own deadlock, not a cache's: counted, and the rank replaced as if it had been killed whole
+            t.add("torch_event_deadlocks")
+            print(f"{rank.name} {when}: torch's DataLoader deadlock on its workers' done_event; replaced", flush=True)
+            rank.kill_group()
+            finished.append(rank)
+            ranks[r] = new_rank(r)
+            return progress(r, 1, f"replacing {rank.name}, in its first epoch")
         t.add("hangs", stuck)
         if stuck:  # where: printed in full (the problem list keeps the start and the end)
-            where = stacks(rank.pid)
             print(f"{rank.name} made no progress {when}; its stacks:\n{where}", flush=True)
         problem = f"{rank.name} made no progress {when}: {rank.failures}"
         return t.check(ok, problem + (f"; stacks: {where}" if stuck else ""))
@@ -296,7 +305,7 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
     finished = []  # ranks killed whole: their counts
     t0 = time.monotonic()
     try:
-        ok = all([progress(rank, 1, "in its first epoch") for rank in ranks])
+        ok = all([progress(r, 1, "in its first epoch") for r in range(len(ranks))])
         while ok and t.figures["trials"] < trials:
             target.invalidate()
             # writes start as soon as the workers miss: half the kills come within 30 ms, the others within 200
@@ -335,7 +344,8 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
                 rank.pump()
             ok = ok and not any(rank.failures for rank in ranks)  # (counted below)
             if ok and t.figures["trials"] % PROGRESS_EVERY == 0:  # nothing blocks: every rank completes an epoch
-                ok = all([progress(rank, rank.epochs + 1, f"after trial {t.figures['trials']}") for rank in ranks])
+                ok = all([progress(r, ranks[r].epochs + 1, f"after trial {t.figures['trials']}")
+                          for r in range(len(ranks))])
                 t.add("progress_checks", ok)
         t.figures.update(target.state())
         # The whole job dies: this process lets go of the cache first, so that nobody holds it when the
@@ -352,6 +362,16 @@ def run_kill_trials(t: Tally, target, trials: int, seed: int) -> None:
     t.add("wrong_items_or_errors_in_ranks", len(reported))
     t.check(not reported, reported[:5])
     t.figures["seconds"] = round(time.monotonic() - t0, 1)
+
+
+def torch_event_deadlock(where: str) -> bool:
+    """Whether a rank's stacks (``py-spy dump``) show torch's DataLoader waiting forever for the lock of its workers'
+    ``done_event``: every worker checks that ``multiprocessing.Event`` in its loop (``Event.is_set`` takes the
+    Event's lock, a semaphore shared by the processes), and a worker SIGKILLed while it holds the lock never releases
+    it, so the next ``is_set`` in the main process (``_mark_worker_as_unavailable``, on that worker's death) waits for
+    ever. It happens with any dataset, MONAI's too: torch 2.13 ``utils/data/_utils/worker.py`` and ``dataloader.py``."""
+    main = where.split("Thread ", 2)[1] if where.count("Thread ") >= 2 else where  # the first thread: the main one
+    return "SemLock.__enter__" in main and "Event.is_set" in main and "torch/utils/data/dataloader.py" in main
 
 
 def worker_inside_a_write(target, ranks, timeout: float = 0.5) -> tuple[int, int] | None:
@@ -374,7 +394,8 @@ def worker_inside_a_write(target, ranks, timeout: float = 0.5) -> tuple[int, int
 
 def kill_tally(test: str, store: str) -> Tally:
     return Tally(test, "trials", "worker_kills", "rank_kills", "aimed_kills", "kills_mid_write", "entries_checked",
-                 "entries_accepted", "progress_checks", "hangs", store=store, trials_asked=TRIALS)
+                 "entries_accepted", "progress_checks", "hangs", "torch_event_deadlocks", store=store,
+                 trials_asked=TRIALS)
 
 
 def run_final(t: Tally, target, epochs: int = 2, timeout: float = 180.0) -> None:
