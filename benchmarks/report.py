@@ -411,8 +411,8 @@ def run(args: argparse.Namespace) -> int:
             rc, output, seconds = run_benchmark(cmds[name], echo=not args.json, cwd=bench_dir.parent)
             r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
             if name == "cache":
-                r["data"] = _read_json(work / "cache" / "bench.json")
-                md = work / "cache" / "bench.md"
+                r["data"] = _read_json(work / "cache" / "cache.json")
+                md = work / "cache" / "cache.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
             elif name == "persistent":
                 r["data"] = _read_json(work / "persistent.json")

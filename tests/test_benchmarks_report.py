@@ -48,8 +48,8 @@ _STUBS = {
         rec = lambda cfg, label, e: {"config": cfg, "label": label, "ranks": 1, "workers": 1, "epoch_s": e,
                                       "mem_peak": 300 << 20, "mem_mean": 200 << 20}
         json.dump({"records": [rec("monai", "MONAI", [3, 1, 1]), rec("monai-cache", "ours", [2, 0.5, 0.5])]},
-                  open(os.path.join(out, "bench.json"), "w"))
-        open(os.path.join(out, "bench.md"), "w").write("### 1 rank(s)\\n\\n| a | b |\\n|---|---|\\n| 1 | 2 |\\n")
+                  open(os.path.join(out, "cache.json"), "w"))
+        open(os.path.join(out, "cache.md"), "w").write("### 1 rank(s)\\n\\n| a | b |\\n|---|---|\\n| 1 | 2 |\\n")
         print("cache table")
     """,
     "persistent": """
