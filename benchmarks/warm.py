@@ -305,13 +305,14 @@ def report_group(rep: harness.Report, title: str, configs: list[str], runs: dict
     rep.heading(title)
     repeats = max(len(v) for v in runs.values())
     epochs = max(len(r["epochs"]) for v in runs.values() for r in v)
-    rows = [["mode", "dataset + loader", "repeat", *(f"epoch {e + 1}" for e in range(epochs))]]
+    rows = [["mode", "dataset + loader", *(f"repeat {i + 1}" for i in range(repeats))]]
     for key in configs:
         c = CONFIGS[key]
-        for i, r in enumerate(runs[key]):
-            cells = [f"{e['wall']:.2f} / {e['cpu']:.2f}" for e in r["epochs"]]
-            rows.append([c.mode, c.label, str(i + 1), *cells, *[""] * (epochs - len(cells))])
-    rep.table(rows, left=2, title="every epoch, wall / CPU of all processes (s):")
+        cells = ["  ".join(f"{e['wall']:.2f}/{e['cpu']:.2f}" for e in r["epochs"]) for r in runs[key]]
+        rows.append([c.mode, c.label, *cells, *[""] * (repeats - len(cells))])
+    rep.table(rows, left=2 + repeats, title=(
+        f"every epoch of every repeat, epochs 1 to {epochs} left to right, each wall/CPU of all processes (s):"
+    ))
     rep.line()
 
     base = runs.get(BASELINE, [])
@@ -417,9 +418,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: a few minutes")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "monai-cache-bench", "warm"),
                         help="results (warm.md, warm.json) and the data, reused by later runs")
+    parser.add_argument("--summarize", action="store_true",
+                        help="run nothing: print the report of the run saved in --out (warm.json) again")
     args = parser.parse_args(argv)
     if args.rank_spec:
         rank_main(args.rank_spec)
+        return 0
+    out = os.path.abspath(args.out)
+    if args.summarize:  # the same tables from the same measurements, e.g. after the report's format changed
+        with open(os.path.join(out, "warm.json")) as f:
+            result = json.load(f)
+        report = harness.Report("warm")
+        report.line(result["head"])
+        print_report(report, result)
+        print(f"results: {report.save(out, result)}")
         return 0
     from monai_cache.synthetic import crop_size_for, make_dataset
 
@@ -432,7 +444,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     crop = tuple(int(v) for v in args.crop.split("x")) if args.crop else crop_size_for(shape, (64, 64, 64))
     volumes = args.volumes or (8 if args.quick else 12)
     images = args.images or (500 if args.quick else 2000)
-    out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     machine = harness.machine_info()
     shape_text = "x".join(map(str, shape))
@@ -461,12 +472,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plan += [(rep, w, s, key) for key in harness.rotated(configs, rep)]
     report = harness.Report("warm")
     workloads_text = "; ".join(f"{d['what']}, {d['epochs']} epochs" for d in data.values())
-    report.line(
+    head = (
         f"warm: {repeats} repeat(s); {workloads_text}.\n"
         f"{harness.describe_machine(machine)}\n"
         "MONAI: monai.data.CacheDataset; ours: monai_cache.CacheDataset; MONAI DL: monai.data.DataLoader; our DL: "
         "monai_cache.DataLoader; eager: cache_rate=1; on the fly: runtime_cache=True; MONAI Dataset: no cache."
     )
+    report.line(head)
     t0 = time.perf_counter()
     records: list[dict[str, Any]] = []
     for i, (rep, w, s, key) in enumerate(plan):
@@ -479,21 +491,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         }  # fmt: skip
         record = run_one(spec, os.path.join(out, "runs", f"{w}-{s.short.replace(' ', '-')}-{key}-{rep}"))
         records.append({**spec, "repeat": rep, **record})
-    checks = []
-    for w in data:
-        for s in _settings(args):
-            group = [r for r in records if r["workload"] == w and Setting(r["ranks"], r["workers"], r["persistent"],
-                                                                          r["start_method"]) == s]
-            configs = [k for k in CONFIGS if any(r["config"] == k for r in group)]
-            runs = {k: sorted((r for r in group if r["config"] == k), key=lambda r: r["repeat"]) for k in configs}
-            checks += report_group(report, f"{w}, {s.text}", configs, runs)
     machine["loadavg_end"] = list(os.getloadavg())
-    report.heading("targets")
-    report.targets(checks)
-    report.line(f"\ntotal wall {time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
-    path = report.save(out, {"machine": machine, "records": records})
+    result = {"head": head, "machine": machine, "records": records, "seconds": time.perf_counter() - t0}
+    print_report(report, result)
+    path = report.save(out, result)
     print(f"results: {path}, {os.path.join(out, 'warm.json')}")
     return 0
+
+
+def print_report(report: harness.Report, result: dict[str, Any]) -> list[tuple[bool, str]]:
+    """Every workload and setting of ``result`` (``warm.json``: its records, in the order they ran), then the
+    targets and the totals; returns the targets' checks."""
+    records = result["records"]
+    checks = []
+    for w in dict.fromkeys(r["workload"] for r in records):
+        for s in dict.fromkeys(Setting(r["ranks"], r["workers"], r["persistent"], r["start_method"]) for r in records):
+            group = [r for r in records if r["workload"] == w and
+                     Setting(r["ranks"], r["workers"], r["persistent"], r["start_method"]) == s]  # fmt: skip
+            configs = [k for k in CONFIGS if any(r["config"] == k for r in group)]
+            runs = {k: sorted((r for r in group if r["config"] == k), key=lambda r: r["repeat"]) for k in configs}
+            if runs:
+                checks += report_group(report, f"{w}, {s.text}", configs, runs)
+    report.heading("targets")
+    report.targets(checks)
+    load = result["machine"].get("loadavg_end") or [0.0]
+    report.line(f"\ntotal wall {result['seconds']:.0f} s; load average at the end {load[0]:.1f}")
+    return checks
 
 
 if __name__ == "__main__":
