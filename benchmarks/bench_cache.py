@@ -32,8 +32,8 @@ and returns its measurements (:func:`summarize_run`).
 
 Usage::
 
-    python benchmarks/bench_cache.py            # 24 volumes of 160x160x96, 3 epochs, 2 repeats
-    python benchmarks/bench_cache.py --quick    # tiny, about a minute or two
+    python -m benchmarks cache                # 24 volumes of 160x160x96, 3 epochs, 2 repeats
+    python -m benchmarks cache --quick        # tiny, about a minute or two
 """
 
 from __future__ import annotations
