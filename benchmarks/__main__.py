@@ -14,9 +14,8 @@ import sys
 
 SUITES: dict[str, tuple[str, str]] = {
     # suite: (module, what it measures)
+    "warm": ("warm", "every epoch: MONAI, ours with MONAI's DataLoader, ours with ours; volumes and small items"),
     "cache": ("bench_cache", "CacheDataset: first batch, warm epochs, memory, fills (eager and on the fly)"),
-    "loader": ("bench_loader", "DataLoaders: MONAI's, ours, ThreadDataLoader, over MONAI's and our CacheDataset"),
-    "small-items": ("small_items", "many small items: the on-the-fly first epoch and warm epochs through a loader"),
     "switch": ("bench_switch", "Auto3DSeg's segresnet pipeline, stock and under the switch"),
     "spleen-switch": ("spleen_switch", "a stock spleen-shaped script, stock / under the switch / --no-dataloader"),
     "persistent": ("bench_persistent", "PersistentDataset: first epoch, warm epochs, file sizes, restarts"),

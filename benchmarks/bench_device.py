@@ -16,8 +16,8 @@ configuration is built and run ``--repeats`` times, alternating; the table gives
 
 Usage::
 
-    python benchmarks/bench_device.py           # 16 volumes of 96x96x64, crops 64x64x32, 5 epochs, 3 repeats
-    python benchmarks/bench_device.py --quick   # 8 volumes of 64x64x48, 3 epochs, 2 repeats
+    python -m benchmarks device               # 16 volumes of 96x96x64, crops 64x64x32, 5 epochs, 3 repeats
+    python -m benchmarks device --quick       # 8 volumes of 64x64x48, 3 epochs, 2 repeats
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ cache itself and nothing else. ``--repeats`` runs in rotating order, medians.
 
 Usage::
 
-    python benchmarks/bench_fill_memory.py            # 24 volumes of 160x160x96, 3 repeats
-    python benchmarks/bench_fill_memory.py --quick    # 8 volumes of 96x96x64, 2 repeats
+    python -m benchmarks fill-memory                # 24 volumes of 160x160x96, 3 repeats
+    python -m benchmarks fill-memory --quick        # 8 volumes of 96x96x64, 2 repeats
 """
 
 from __future__ import annotations

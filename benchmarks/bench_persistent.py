@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/bench_persistent.py            # ~160x160x96 volumes (a few minutes on 2 cores)
-    python benchmarks/bench_persistent.py --quick    # small volumes, well under a minute
+    python -m benchmarks persistent                # ~160x160x96 volumes (a few minutes on 2 cores)
+    python -m benchmarks persistent --quick        # small volumes, well under a minute
 
 What it does, on the main job's data (``monai_cache.synthetic``: the CT-like volumes and the chain of
 MONAI's 3-D segmentation tutorials that ``monai-cache demo`` trains on: LoadImaged, EnsureChannelFirstd,

@@ -15,8 +15,8 @@ runs, medians. The table gives the plan's time as a ratio of MONAI's build, and 
 
 Usage::
 
-    python benchmarks/bench_plan.py            # 24 volumes of 160x160x96, 3 repeats
-    python benchmarks/bench_plan.py --quick    # 12 volumes of 96x96x64, 2 repeats
+    python -m benchmarks plan                # 24 volumes of 160x160x96, 3 repeats
+    python -m benchmarks plan --quick        # 12 volumes of 96x96x64, 2 repeats
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: a rank crashes mid-epoch under ``torchrun --max-restarts=1``; how long until training goes on?
 
-Run ``python benchmarks/bench_restart.py [--items 16] [--shape 128,128,80] [--repeats 2]``. Not a timed test; it
+Run ``python -m benchmarks restart [--items 16] [--shape 128,128,80] [--repeats 2]``. Not a timed test; it
 prints a table.
 
 The same job, once with MONAI's ``CacheDataset`` (its default: every rank fills its own cache before the first

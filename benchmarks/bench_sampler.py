@@ -1,6 +1,6 @@
 """Benchmark: cache hit rate, epoch time, coverage and batch mixing of ShardedDistributedSampler.
 
-Run ``python benchmarks/bench_sampler.py [--quick]``. Not a timed test; it prints tables.
+Run ``python -m benchmarks sampler [--quick]``. Not a timed test; it prints tables.
 
 1. A 2-rank run (gloo, each rank an independent process started like torchrun starts it). Each rank keeps a
    private cache of what one rank can afford (``ceil(n / 2)`` items, first come first kept); a miss costs a fixed,

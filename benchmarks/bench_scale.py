@@ -21,10 +21,10 @@ multiple of the item size.
 
 Usage::
 
-    python benchmarks/bench_scale.py --quick          # 2,000 / 5,000 / 10,000 items, 256 MiB item: ~2-4 min
-    python benchmarks/bench_scale.py                  # 10,000 / 50,000 / 100,000 items, 2 GiB item
-    python benchmarks/bench_scale.py --sizes 100000 --variants ours-cache --large-mb 2048
-    python benchmarks/bench_scale.py --sizes 100000 --variants ours-cache monai-cache --large-mb 0 --loader package
+    python -m benchmarks scale --quick              # 2,000 / 5,000 / 10,000 items, 256 MiB item: ~2-4 min
+    python -m benchmarks scale                      # 10,000 / 50,000 / 100,000 items, 2 GiB item
+    python -m benchmarks scale --sizes 100000 --variants ours-cache --large-mb 2048
+    python -m benchmarks scale --sizes 100000 --variants ours-cache monai-cache --large-mb 0 --loader package
 
 ``--loader`` picks the DataLoader of the small-item runs: torch's for every variant (the default: the datasets
 alone are compared), MONAI's for every variant, or each package's own (``package``: ``monai_cache.DataLoader``

@@ -20,8 +20,8 @@ the ratio monai_cache / MONAI:
 
 Usage::
 
-    python benchmarks/bench_smartcache.py            # 32 volumes of 128x128x80, cache 16, 5 epochs, 3 repeats
-    python benchmarks/bench_smartcache.py --quick    # about a minute on an idle 2-core machine
+    python -m benchmarks smartcache                # 32 volumes of 128x128x80, cache 16, 5 epochs, 3 repeats
+    python -m benchmarks smartcache --quick        # about a minute on an idle 2-core machine
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ repeat's ratio is taken against the stock run of the same repeat):
 
 Usage::
 
-    python benchmarks/bench_switch.py            # 24 volumes of 160x160x96, 3 epochs, 2 repeats
-    python benchmarks/bench_switch.py --quick    # 8 volumes of 64x64x48, 3 epochs, 1 repeat
+    python -m benchmarks switch                # 24 volumes of 160x160x96, 3 epochs, 2 repeats
+    python -m benchmarks switch --quick        # 8 volumes of 64x64x48, 3 epochs, 1 repeat
 """
 
 from __future__ import annotations

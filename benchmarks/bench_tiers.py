@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/bench_tiers.py            # 12 volumes of 160x160x96, 4 epochs, median of 3 (~10 min)
-    python benchmarks/bench_tiers.py --quick    # 4 volumes of 64x64x48, 3 epochs, 1 repeat
+    python -m benchmarks tiers                # 12 volumes of 160x160x96, 4 epochs, median of 3 (~10 min)
+    python -m benchmarks tiers --quick        # 4 volumes of 64x64x48, 3 epochs, 1 repeat
 
 Two questions, on the tutorial chain of ``monai_cache.synthetic`` (the deterministic part cached, two random
 crops per item on every read), with a ``monai.data.DataLoader`` of ``--workers`` workers per rank and a

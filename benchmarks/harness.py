@@ -13,6 +13,15 @@ Measuring, from outside the measured processes:
   has mapped, sampled in a background thread.
 * :class:`Events`: progress events a rank appends to a file and the launcher polls.
 
+Reporting, the one format of the suites:
+
+* :class:`Report`: what a suite prints is what it saves: headings, lines and aligned tables on stdout as they come,
+  and the same text in ``<out>/<suite>.md`` (each block as printed, in a fenced block under its heading, ready to
+  paste into the docs) with the raw measurements in ``<out>/<suite>.json``.
+* :func:`machine_info` and :func:`describe_machine`: cores, memory, CPU model, load average, versions.
+* :func:`rotated`, :func:`ratios` and :func:`median`: configurations in a rotating order per repeat, per-repeat
+  ratios against a reference of the same repeat, and their median.
+
 This module ships with the repository's benchmarks, not with the package; scripts next to it import it as
 ``import harness`` (a script's own directory is first on ``sys.path``).
 """
@@ -21,7 +30,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import os
+import platform
 import re
 import socket
 import statistics
@@ -30,14 +42,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "Events",
     "MemorySampler",
+    "Report",
+    "describe_machine",
     "free_port",
+    "machine_info",
     "median",
     "own_cpu_seconds",
     "process_tree",
+    "ratios",
+    "rotated",
     "run_ranks",
     "torchrun_env",
     "tree_cpu_seconds",
@@ -48,6 +66,9 @@ __all__ = [
 # Starting ranks
 # ---------------------------------------------------------------------------------------------------------
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository's root (the checkout whose monai_cache the benchmarks measure)."""
+
 
 def free_port() -> int:
     """A TCP port free on localhost right now (for ``MASTER_PORT``)."""
@@ -57,8 +78,10 @@ def free_port() -> int:
 
 
 def torchrun_env(rank: int, world: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment torchrun gives rank ``rank`` of ``world`` processes on one node."""
+    """The environment torchrun gives rank ``rank`` of ``world`` processes on one node, with this checkout first on
+    ``PYTHONPATH`` (a rank measures the code its launcher runs, whatever ``pip install`` points at)."""
     env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -397,3 +420,134 @@ def median(values: Iterable[float | None]) -> float | None:
     """Median of the values that are not ``None`` (``None`` if there are none)."""
     vals = [float(v) for v in values if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
+    """``items`` starting at position ``repeat`` (mod its length): each repeat runs the configurations in another
+    order, so that drift on a shared machine spreads over all of them."""
+    k = repeat % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def ratios(values: Sequence[float | None], references: Sequence[float | None]) -> list[float]:
+    """``value / reference`` of each repeat that has both (runs of one repeat are minutes apart, not hours)."""
+    return [v / r for v, r in zip(values, references) if v is not None and r]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The machine, and the report format
+# ---------------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores, memory, CPU model, load average, and the software versions of this machine."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": platform.processor() or platform.machine(),
+        "ram_bytes": None,
+        "loadavg": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                info["ram_bytes"] = int(line.split()[1]) * 1024
+                break
+    for module in ("torch", "monai", "monai_cache"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception:  # pragma: no cover - reported as unknown
+            info[module] = None
+    return info
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    """One sentence about the machine of :func:`machine_info` (and ``loadavg_end`` if set)."""
+    ram = f"{m['ram_bytes'] / (1 << 30):.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
+    load = m.get("loadavg") or [0.0, 0.0, 0.0]
+    end = m.get("loadavg_end")
+    load_end = f"; at the end {end[0]:.1f}" if end else ""
+    return (
+        f"{m['cpus_usable']} usable of {m['cpus']} CPU cores ({m['cpu_model']}), {ram}; load average at the start "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min){load_end}. Python {m['python']}, "
+        f"torch {m.get('torch')}, MONAI {m.get('monai')}, monai_cache {m.get('monai_cache')}; {m['platform']}."
+    )
+
+
+def format_table(rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Rows of cells as aligned text with a rule under the header (the first row); the first ``left`` columns are
+    aligned left, the others right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+class Report:
+    """The suites' one report format: printed as it comes, saved as printed.
+
+    ``heading``, ``line`` and ``table`` print to stdout at once (a long run shows its results as they come);
+    :meth:`save` writes ``<out>/<suite>.md``, in which each heading is a Markdown heading and what was printed under
+    it is one fenced text block, exactly as printed, and ``<out>/<suite>.json`` with the measurements given. The docs
+    paste those blocks, so a table in the docs is a table a suite printed.
+
+    Args:
+        suite: the suite's name (``python -m benchmarks <suite>``), which names the files.
+        level: the Markdown level of the headings (3: ``###``, to sit under a page's own sections).
+    """
+
+    def __init__(self, suite: str, level: int = 3) -> None:
+        self.suite = suite
+        self.level = level
+        self._blocks: list[tuple[str | None, list[str]]] = [(None, [])]
+
+    def heading(self, text: str) -> None:
+        """Start a section titled ``text``."""
+        print(f"\n{text}\n{'=' * min(len(text), 120)}", flush=True)
+        self._blocks.append((text, []))
+
+    def line(self, text: str = "") -> None:
+        """Print ``text`` (one or more lines) in the current section."""
+        print(text, flush=True)
+        self._blocks[-1][1].append(text)
+
+    def table(self, rows: Sequence[Sequence[str]], left: int = 1, title: str | None = None) -> None:
+        """Print rows of cells (the first is the header) as an aligned table, under ``title`` if given."""
+        text = format_table(rows, left)
+        self.line(f"{title}\n{text}" if title else text)
+
+    def targets(self, checks: Iterable[tuple[bool, str]]) -> list[tuple[bool, str]]:
+        """Print ``[ok]`` or ``[missed]`` before each check's text; returns the checks."""
+        checks = list(checks)
+        self.line("\n".join(f"[{'ok' if ok else 'missed'}] {text}" for ok, text in checks) or "(no target applies)")
+        return checks
+
+    def markdown(self) -> str:
+        """The report as Markdown: headings, and under each what was printed, in a fenced text block."""
+        out: list[str] = []
+        for title, lines in self._blocks:
+            if title is not None:
+                out += ["#" * self.level + " " + title, ""]
+            text = "\n".join(lines).strip("\n")
+            if text:
+                out += ["```text", text, "```", ""]
+        return "\n".join(out)
+
+    def save(self, out: str, data: Any = None) -> str:
+        """Write ``<out>/<suite>.md`` (and ``<out>/<suite>.json`` with ``data`` if given); returns the .md path."""
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"{self.suite}.md")
+        with open(path, "w") as f:
+            f.write(self.markdown())
+        if data is not None:
+            with open(os.path.join(out, f"{self.suite}.json"), "w") as f:
+                json.dump(data, f, indent=1)
+        return path

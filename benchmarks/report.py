@@ -1,24 +1,19 @@
-"""Run the benchmarks and write the report ``docs/benchmarks.md`` with its plots::
+"""``python -m benchmarks report``: run the suites and write the report ``docs/benchmarks.md`` with its plots::
 
-    python benchmarks/report.py [--quick] [--only cache,persistent,...]
+    python -m benchmarks report [--quick] [--only cache,persistent,...]
 
-The benchmarks are the scripts of this directory (they ship with the source repository, not the installed
-package): ``bench_cache.py`` (CacheDataset: time to first batch, epoch times, memory of all processes),
-``bench_persistent.py`` (PersistentDataset: bytes on disk, cold and warm epochs), ``bench_sampler.py``
-(ShardedDistributedSampler: hit rate, epoch time) and ``bench_scale.py`` (many small items and one large
-item; ``--quick`` runs 2,000 items and no large item, the full mode that script's ``--quick`` sizes, up to
-10,000 items and 256 MiB; its 100,000-item, 2 GiB run takes about 15 minutes and is run by hand, see
-docs/scale.md), ``bench_loader.py`` (DataLoader: warm epochs, main-process CPU per batch; ``--quick`` runs
-that script's ``--quick`` mode for MONAI's loader and ours, the full mode every configuration, about 30
-minutes), ``bench_smartcache.py`` (SmartCacheDataset: epoch time and memory, 2 ranks),
-``bench_tiers.py`` (PersistentDataset with and without the shared-memory tier; a restart of
-``CacheDataset(cache_dir=...)`` against a cold start), ``bench_restart.py`` (a rank's crash under
-``torchrun --max-restarts=1``: time to the first batch after the restart, items computed again) and
-``bench_switch.py`` (Auto3DSeg's segresnet pattern: a Manager list as ``runtime_cache``, stock against
-monai_cache). Each runs as a subprocess; every ratio in their tables is against stock MONAI measured in the
-same run. This module runs them, prints their tables as they come, describes the machine (cores, memory, CPU
-model, load average) and writes the Markdown report and PNG plots (epoch time per epoch, memory across
-processes, bytes on disk per item, warm epochs per loader).
+It runs each suite through the one entry point (``python -m benchmarks <suite>``, a subprocess each, from the
+repository's root): ``cache`` (CacheDataset: time to first batch, epoch times, memory of all processes),
+``persistent`` (PersistentDataset: bytes on disk, cold and warm epochs), ``sampler`` (ShardedDistributedSampler: hit
+rate, epoch time), ``scale`` (many small items; ``--quick``: 2,000 items, the full mode that suite's ``--quick``
+sizes; its 100,000-item run is run by hand, see docs/scale.md), ``warm`` (every epoch of MONAI, ours with MONAI's
+DataLoader and ours with ours, volumes and small items; ``--quick``: one setting of that suite's ``--quick`` mode),
+``smartcache`` (SmartCacheDataset, 2 ranks), ``tiers`` (PersistentDataset with and without the shared-memory tier; a
+restart of ``CacheDataset(cache_dir=...)``), ``restart`` (a rank's crash under ``torchrun --max-restarts=1``) and
+``switch`` (Auto3DSeg's segresnet pattern, stock against the switch). Every ratio in their tables is against stock
+MONAI measured in the same run. It prints their tables as they come, describes the machine (cores, memory, CPU
+model, load average) and writes the Markdown report and PNG plots (epoch time per epoch, memory across processes,
+bytes on disk per item, small items as their count grows).
 
 ``--quick`` runs reduced versions that finish in a few minutes on an idle 2-core machine.
 """
@@ -29,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -39,80 +33,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "machine_info", "run", "run_benchmark", "write_report"]
+from harness import describe_machine, machine_info
 
-BENCHMARKS = ("cache", "persistent", "sampler", "scale", "loader", "smartcache", "tiers", "restart", "switch")
-"""The benchmarks, in the order they run: ``benchmarks/bench_<name>.py``."""
+__all__ = ["BENCHMARKS", "add_arguments", "find_benchmarks", "run", "run_benchmark", "write_report"]
+
+BENCHMARKS = ("cache", "persistent", "sampler", "scale", "warm", "smartcache", "tiers", "restart", "switch")
+"""The suites of the report, in the order they run (``python -m benchmarks <suite>``)."""
 
 _MIB = 1 << 20
 
 
 def find_benchmarks(directory: str | None = None) -> Path | None:
-    """The ``benchmarks/`` directory: ``directory`` if given, else this script's. ``None`` if it does not hold
-    the scripts."""
-    candidates = [Path(directory)] if directory else [Path(__file__).resolve().parent]
-    for c in candidates:
-        if all((c / f"bench_{name}.py").is_file() for name in BENCHMARKS):
-            return c.resolve()
-    return None
-
-
-def machine_info() -> dict[str, Any]:
-    """Cores, memory, CPU model, load average, and the software versions of this machine."""
-    info: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": platform.processor() or platform.machine(),
-        "ram_bytes": None,
-        "loadavg": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["ram_bytes"] = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    for module in ("torch", "monai", "monai_cache"):
-        try:
-            info[module] = __import__(module).__version__
-        except Exception:  # pragma: no cover - reported as unknown
-            info[module] = None
-    return info
-
-
-def _describe_machine(m: dict[str, Any]) -> str:
-    ram = f"{m['ram_bytes'] / (1 << 30):.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
-    load = m.get("loadavg") or [0.0, 0.0, 0.0]
-    end = m.get("loadavg_end")
-    load_end = f"; at the end {end[0]:.1f}" if end else ""
-    return (
-        f"{m['cpus_usable']} usable of {m['cpus']} CPU cores ({m['cpu_model']}), {ram}; load average at the start "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min){load_end}. Python {m['python']}, "
-        f"torch {m.get('torch')}, MONAI {m.get('monai')}, monai_cache {m.get('monai_cache')}; {m['platform']}."
-    )
+    """The ``benchmarks/`` package whose entry point runs the suites: ``directory`` if given, else this script's.
+    ``None`` if it has no ``__main__.py``."""
+    c = Path(directory) if directory else Path(__file__).resolve().parent
+    return c.resolve() if (c / "__main__.py").is_file() else None
 
 
 def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
-    py = sys.executable
-    cache = [py, str(bench_dir / "bench_cache.py"), "--out", str(work / "cache"), "--no-progress"]
-    persistent = [py, str(bench_dir / "bench_persistent.py"), "--json", str(work / "persistent.json")]
-    sampler = [py, str(bench_dir / "bench_sampler.py")]
-    scale = [py, str(bench_dir / "bench_scale.py"), "--out", str(work / "scale")]
-    loader = [py, str(bench_dir / "bench_loader.py"), "--out", str(work / "loader")]
+    """Each suite's command line, run from the parent of ``bench_dir``."""
+
+    def suite(name: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", bench_dir.name, name, *args]
+
+    cache = suite("cache", "--out", str(work / "cache"), "--no-progress")
+    persistent = suite("persistent", "--json", str(work / "persistent.json"))
+    sampler = suite("sampler")
+    scale = suite("scale", "--out", str(work / "scale"))
+    warm = suite("warm", "--out", str(work / "warm"))
     if quick:
-        # Reduced versions of the scripts' own --quick modes: 4 volumes, 2 ranks (where one shared copy shows),
+        # Reduced versions of the suites' own --quick modes: 4 volumes, 2 ranks (where one shared copy shows),
         # one repeat. About a minute on an idle 2-core machine; a few minutes on a busy one.
         cache += ["--quick", "--items", "4", "--epochs", "3", "--settings", "2x1", "--configs", "monai,monai-cache"]
         cache += ["--mem-interval", "0.25"]
@@ -121,28 +71,33 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         # 2,000 small items, ours against MONAI's eager CacheDataset (the large item is left to the full mode:
         # each of its four cases starts an interpreter, which alone would take the quick mode past a minute)
         scale += ["--sizes", "2000", "--variants", "ours-cache", "monai-cache", "--workers", "2", "--large-mb", "0"]
-        # the script's --quick mode (8 small volumes, 3 epochs, one repeat), MONAI's loader against ours only
-        loader += ["--quick", "--configs", "monai,ours+ours"]
+        # the suite's --quick mode (8 small volumes, 500 images, one repeat) in one setting
+        warm += ["--quick", "--settings", "1x2"]
     else:
         scale += ["--quick"]
-    smartcache = [py, str(bench_dir / "bench_smartcache.py"), "--out", str(work / "smartcache")]
-    tiers = [py, str(bench_dir / "bench_tiers.py"), "--out", str(work / "tiers")]
-    restart = [py, str(bench_dir / "bench_restart.py")]
-    switch = [py, str(bench_dir / "bench_switch.py"), "--out", str(work / "switch")]
+    smartcache = suite("smartcache", "--out", str(work / "smartcache"))
+    tiers = suite("tiers", "--out", str(work / "tiers"))
+    restart = suite("restart")
+    switch = suite("switch", "--out", str(work / "switch"))
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
         tiers += ["--quick"]
         restart += ["--items", "8", "--shape", "64,64,48", "--crop", "32", "--repeats", "1"]
         switch += ["--quick", "--settings", "2x1"]
-    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "loader": loader,
+    return {"cache": cache, "persistent": persistent, "sampler": sampler, "scale": scale, "warm": warm,
             "smartcache": smartcache, "tiers": tiers, "restart": restart, "switch": switch}
 
 
-def run_benchmark(cmd: Sequence[str], echo: bool = True, timeout: float | None = None) -> tuple[int, str, float]:
-    """Run one benchmark script; print its output as it comes (``echo``). Returns (exit status, output, seconds)."""
+def run_benchmark(
+    cmd: Sequence[str], echo: bool = True, timeout: float | None = None, cwd: str | os.PathLike | None = None
+) -> tuple[int, str, float]:
+    """Run one suite (from ``cwd``); print its output as it comes (``echo``). Returns (exit status, output,
+    seconds)."""
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1, cwd=cwd
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -263,7 +218,7 @@ def _plots(results: dict[str, Any], img_dir: Path) -> dict[str, str]:
     made: dict[str, str] = {}
     cache = results.get("cache", {}).get("data") or {}
     persistent = results.get("persistent", {}).get("data") or {}
-    for kind in ("scale", "loader"):  # drawn by bench_scale.py and bench_loader.py themselves
+    for kind in ("scale",):  # drawn by the scale suite itself
         plot = results.get(kind, {}).get("plot")
         if isinstance(plot, Path) and plot.is_file():
             shutil.copyfile(plot, img_dir / f"bench_{kind}.png")
@@ -284,17 +239,18 @@ def _plots(results: dict[str, Any], img_dir: Path) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------------------------- report
 _TITLES = {
-    "cache": "CacheDataset (shared memory) — `benchmarks/bench_cache.py`",
-    "persistent": "PersistentDataset (disk) — `benchmarks/bench_persistent.py`",
-    "sampler": "ShardedDistributedSampler — `benchmarks/bench_sampler.py`",
-    "scale": "Scale: many small items, one large item — `benchmarks/bench_scale.py` (details: [scale.md](scale.md))",
-    "loader": "DataLoader — `benchmarks/bench_loader.py` (details: [loader.md](loader.md#benchmark))",
-    "smartcache": "SmartCacheDataset — `benchmarks/bench_smartcache.py` (details: [smartcache.md](smartcache.md))",
-    "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `benchmarks/bench_tiers.py` "
+    "cache": "CacheDataset (shared memory) — `python -m benchmarks cache`",
+    "persistent": "PersistentDataset (disk) — `python -m benchmarks persistent`",
+    "sampler": "ShardedDistributedSampler — `python -m benchmarks sampler`",
+    "scale": "Scale: many small items — `python -m benchmarks scale` (details: [scale.md](scale.md))",
+    "warm": "Every epoch: MONAI, ours with MONAI's DataLoader, ours with ours — `python -m benchmarks warm` (details: "
+    "[benchmarks-cache.md](benchmarks-cache.md), [loader.md](loader.md#benchmark))",
+    "smartcache": "SmartCacheDataset — `python -m benchmarks smartcache` (details: [smartcache.md](smartcache.md))",
+    "tiers": "Tiers: shared memory in front of the disk, and a restart from disk — `python -m benchmarks tiers` "
     "(details: [tiers.md](tiers.md))",
-    "restart": "A rank's crash under torchrun --max-restarts — `benchmarks/bench_restart.py` "
+    "restart": "A rank's crash under torchrun --max-restarts — `python -m benchmarks restart` "
     "(details: [distributed.md](distributed.md#restarts-and-elastic-jobs))",
-    "switch": "Auto3DSeg's segresnet pattern: a Manager list as runtime_cache — `benchmarks/bench_switch.py` "
+    "switch": "Auto3DSeg's segresnet pattern: a Manager list as runtime_cache — `python -m benchmarks switch` "
     "(details: [migrating.md](migrating.md))",
 }
 
@@ -320,11 +276,11 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
     md = [
         "# Benchmark report",
         "",
-        "Generated by `python benchmarks/report.py"
+        "Generated by `python -m benchmarks report"
         + (" --quick" if quick else "")
         + f"` on {when}; mode: {mode}. Do not edit by hand: rerun the command.",
         "",
-        f"**Machine:** {_describe_machine(machine)}",
+        f"**Machine:** {describe_machine(machine)}",
         "",
         "Every ratio is against stock MONAI (`monai.data.CacheDataset`, `monai.data.PersistentDataset`, "
         "`torch.utils.data.DistributedSampler`, `monai.data.DataLoader`) measured in the same run, on the same "
@@ -341,7 +297,6 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
             "memory": "Memory of all processes together (peak and mean)",
             "disk": "Bytes on disk per item",
             "scale": "Small items: cost as the item count grows",
-            "loader": "Warm epoch per loader: wall time and CPU of all processes",
         }
         for kind, name in plots.items():
             md += [f"![{captions[kind]}](img/{name})", ""]
@@ -350,7 +305,7 @@ def write_report(results: dict[str, Any], docs_dir: str | os.PathLike, quick: bo
         if r is None:
             continue
         md += [f"## {_TITLES[name]}", ""]
-        cmd = " ".join(["python", *[os.path.relpath(a) if a.endswith(".py") else a for a in r["cmd"][1:]]])
+        cmd = " ".join(["python", *r["cmd"][1:]])
         md += [f"Command: `{_shorten(cmd)}` — exit status {r['rc']}, {r['seconds']:.0f} s.", ""]
         if r.get("markdown"):
             md += [r["markdown"].rstrip(), ""]
@@ -401,7 +356,7 @@ def _demote_headings(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``python benchmarks/report.py``."""
+    """The options of ``python -m benchmarks report``."""
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a few minutes in all")
     parser.add_argument(
         "--only",
@@ -409,7 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated benchmarks to run (default {','.join(BENCHMARKS)})",
     )
     parser.add_argument(
-        "--benchmarks-dir", default=None, help="the benchmarks/ directory (default: this script's)"
+        "--benchmarks-dir", default=None, help="the benchmarks/ package that runs the suites (default: this one)"
     )
     parser.add_argument(
         "--docs-dir",
@@ -433,8 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if bench_dir is None:
         where = args.benchmarks_dir or str(Path(__file__).resolve().parent)
         print(
-            f"report.py: the benchmark scripts (bench_{{{','.join(BENCHMARKS)}}}.py) are not in {where}; "
-            "pass --benchmarks-dir.",
+            f"report.py: no benchmarks package (__main__.py) in {where}; pass --benchmarks-dir.",
             file=sys.stderr,
         )
         return 2
@@ -454,11 +408,11 @@ def run(args: argparse.Namespace) -> int:
         failed = []
         for name in names:
             print(f"\n=== {name}: {' '.join(cmds[name])}", file=sys.stderr if args.json else sys.stdout, flush=True)
-            rc, output, seconds = run_benchmark(cmds[name], echo=not args.json)
+            rc, output, seconds = run_benchmark(cmds[name], echo=not args.json, cwd=bench_dir.parent)
             r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
             if name == "cache":
-                r["data"] = _read_json(work / "cache" / "bench.json")
-                md = work / "cache" / "bench.md"
+                r["data"] = _read_json(work / "cache" / "cache.json")
+                md = work / "cache" / "cache.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
             elif name == "persistent":
                 r["data"] = _read_json(work / "persistent.json")
@@ -469,11 +423,10 @@ def run(args: argparse.Namespace) -> int:
                 md = work / "scale" / "report.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
                 r["plot"] = work / "scale" / "bench_scale.png"
-            elif name == "loader":
-                r["data"] = _read_json(work / "loader" / "bench_loader.json")
-                md = work / "loader" / "bench_loader.md"
+            elif name == "warm":  # harness.Report's files: warm.md as printed, warm.json
+                r["data"] = _read_json(work / "warm" / "warm.json")
+                md = work / "warm" / "warm.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-                r["plot"] = work / "loader" / "bench_loader.png"
             elif name in ("smartcache", "tiers", "switch"):
                 md = work / name / f"bench_{name}.md"
                 r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
@@ -492,14 +445,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(f"\nmachine: {_describe_machine(results['machine'])}")
+        print(f"\nmachine: {describe_machine(results['machine'])}")
         if report:
             print(f"report: {report} (plots in {report.parent / 'img'})")
     return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/report.py [options]``."""
+    """``python -m benchmarks report [options]``."""
     parser = argparse.ArgumentParser(description="Run the benchmarks (stock MONAI vs monai_cache in the same run) "
                                      "and write docs/benchmarks.md and its plots.")
     add_arguments(parser)

@@ -23,11 +23,11 @@ ours for sure, DataLoader and semaphore segments included.
 
 Long form (minutes)::
 
-    python benchmarks/soak.py --epochs 20 --items 64 --item-kb 1024 --private-shm --json soak.json
+    python -m benchmarks soak --epochs 20 --items 64 --item-kb 1024 --private-shm --json soak.json
 
 Short form, as run by tests/reliability/test_soak.py::
 
-    python benchmarks/soak.py --epochs 3 --items 16 --item-kb 16 --private-shm --json soak.json
+    python -m benchmarks soak --epochs 3 --items 16 --item-kb 16 --private-shm --json soak.json
 
 Exit status 0 when every check passed, 1 otherwise; ``--json`` writes every measurement.
 """

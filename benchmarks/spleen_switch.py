@@ -16,8 +16,8 @@ warm epochs (2..N) against ``stock`` of the same repeat. Each run then reads one
 digest of every batch (``tests/_scripts/batch_digest.py``'s): the line ``same batches`` compares them with
 stock's. Usage::
 
-    python benchmarks/spleen_switch.py                   # 16 volumes of 160x160x96, 4 epochs, 3 repeats
-    python benchmarks/spleen_switch.py --items 8 --shape 96x96x64 --repeats 1
+    python -m benchmarks spleen-switch                 # 16 volumes of 160x160x96, 4 epochs, 3 repeats
+    python -m benchmarks spleen-switch --items 8 --shape 96x96x64 --repeats 1
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import importlib
 import json
 import mmap
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -121,3 +122,66 @@ def test_one_entry_point_runs_every_suite(capsys):
         entry.main(["spleen-switch", "--help"])
     assert exited.value.code == 0 and "--repeats" in capsys.readouterr().out
     assert entry.main(["no-such-suite"]) == 2
+
+
+def test_report_saves_what_it_printed(tmp_path, capsys):
+    """The suites' one report format: each block as printed, in a fenced block under its heading, and the data."""
+    rep = harness.Report("demo")
+    rep.line("demo: 2 repeats")
+    rep.heading("a setting")
+    rep.table([["config", "wall (s)"], ["monai", "1.00"], ["ours", "0.50"]], title="every epoch:")
+    checks = rep.targets([(True, "ours <= MONAI"), (False, "ours <= 0.1x MONAI")])
+    printed = capsys.readouterr().out
+    assert checks == [(True, "ours <= MONAI"), (False, "ours <= 0.1x MONAI")]
+    table = "every epoch:\nconfig  wall (s)\n------  --------\nmonai       1.00\nours        0.50"
+    assert table in printed and "[ok] ours <= MONAI\n[missed] ours <= 0.1x MONAI" in printed
+    path = rep.save(str(tmp_path), {"records": [1]})
+    md = open(path).read()
+    assert md.startswith("```text\ndemo: 2 repeats\n```\n\n### a setting\n\n```text\n" + table + "\n[ok]")
+    assert json.loads((tmp_path / "demo.json").read_text()) == {"records": [1]}
+    assert harness.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert harness.ratios([2.0, None, 3.0], [1.0, 1.0, 0.0]) == [2.0]
+
+
+def _run(walls: list[float], cpu: float = 1.0) -> dict:
+    return {"setup_s": 0.1, "epochs": [{"wall": w, "cpu": cpu * w, "main_cpu": 0.01, "batches": 4, "items": 8}
+                                       for w in walls]}
+
+
+def test_warm_prints_every_epoch_and_computes_its_targets_from_them(capsys):
+    """The warm suite's tables and targets on made-up runs: a single warm epoch of ours slower than MONAI's
+    slowest warm epoch of its repeat misses the target, whatever the medians say."""
+    warm = importlib.import_module("warm")
+    runs = {
+        "monai": [_run([3.0, 1.0, 1.2]), _run([3.0, 1.0, 1.1])],
+        "ours+monai": [_run([2.0, 0.9, 0.9]), _run([2.0, 0.9, 1.15])],  # 1.15 > MONAI's slowest of repeat 2 (1.1)
+        "ours+ours": [_run([1.0, 0.5, 0.5]), _run([1.0, 0.5, 0.5])],
+        "monai-rt": [_run([4.0, 2.0, 2.0]), _run([4.0, 2.0, 2.0])],
+        "ours-rt+monai": [_run([4.4, 1.0, 1.0]), _run([4.4, 1.0, 1.0])],
+        "ours-rt+ours": [_run([3.6, 0.5, 0.5]), _run([3.6, 0.5, 0.5])],
+        "uncached": [_run([4.0]), _run([3.0])],
+    }
+    rep = harness.Report("warm")
+    checks = warm.report_group(rep, "small, 1x2", list(runs), runs)
+    printed = " ".join(capsys.readouterr().out.split())  # the words as printed, whatever the alignment
+    # every epoch of every repeat, wall/CPU, a row per configuration and the repeats side by side
+    assert "on the fly ours + our DL 3.60/3.60 0.50/0.50 0.50/0.50 3.60/3.60 0.50/0.50 0.50/0.50 " in printed
+    assert "uncached MONAI Dataset 4.00/4.00 3.00/3.00 " in printed
+    warm_checks = {re.search(r"of (.+?), (eager|on the fly),", t).groups(): ok for ok, t in checks if "warm" in t}
+    assert warm_checks == {("ours + MONAI DL", "eager"): False, ("ours + our DL", "eager"): True,
+                           ("ours + MONAI DL", "on the fly"): True, ("ours + our DL", "on the fly"): True}
+    assert "worst wall 1.05 (repeat 2, epoch 3)" in next(t for ok, t in checks if not ok)
+    # the first epoch on the fly: 4.4 / 4.0 and 4.4 / 3.0 uncached (median 1.28 > 1.25), 1.1x MONAI's: missed twice
+    first = [(ok, t) for ok, t in checks if "first epoch" in t]
+    assert [ok for ok, _t in first] == [False, False, True, True]
+    assert "wall 1.28x, CPU 1.28x" in first[0][1] and "wall 1.10x" in first[1][1]
+
+
+def test_warm_images_are_pngs_read_by_the_mednist_chain(tmp_path):
+    warm = importlib.import_module("warm")
+    files = warm.make_images(str(tmp_path), 3)
+    mtime = os.path.getmtime(files[0]["image"])
+    assert warm.make_images(str(tmp_path), 3) == files and os.path.getmtime(files[0]["image"]) == mtime  # reused
+    item = warm.mednist_transforms()(files[0])
+    assert tuple(item["image"].shape) == (1, 64, 64) and 0.0 <= float(item["image"].min()) < float(item["image"].max())
+    assert [f["label"] for f in files] == [0, 1, 2]

@@ -195,7 +195,7 @@ def test_clear_removes_an_emptied_cache_dir(tmp_path, capsys):
 
 
 def test_bench_is_not_a_command_of_the_package():
-    """The benchmarks ship with the repository (benchmarks/report.py), not in the installed package."""
+    """The benchmarks ship with the repository (python -m benchmarks, from its root), not in the installed package."""
     assert "bench" not in {c.name for c in cli.COMMANDS}
     with pytest.raises(SystemExit) as exit_info:  # argparse: an unknown command
         cl("bench")

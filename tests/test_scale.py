@@ -4,7 +4,7 @@ The counts are scaled down for CI (20,000 small items instead of 100,000; a 256 
 of 2 GB) while the assertions are per item: descriptors and memory maps per process bounded by a constant,
 storage overhead per 16 KiB entry, the work of one lookup the same at n and 10n (Python lines run, bytes
 read, files opened and listed per read: counted, never timed), peak memory of a large item as a multiple of
-its size. ``benchmarks/bench_scale.py`` runs the full sizes; results in ``docs/scale.md``.
+its size. ``python -m benchmarks scale`` runs the full sizes; results in ``docs/scale.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from monai_cache.shm import SharedMemoryStore, list_caches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)  # subprocesses import this checkout
-N = 20_000  # small items in CI (the issue's 100,000 is benchmarks/bench_scale.py's full mode)
+N = 20_000  # small items in CI (the issue's 100,000 is the scale suite's full mode)
 ITEM_BYTES = 64 * 64 * 4  # one 64x64 float32 image: 16 KiB
 MAX_OVERHEAD = 0.10
 
