@@ -15,6 +15,7 @@ import sys
 SUITES: dict[str, tuple[str, str]] = {
     # suite: (module, what it measures)
     "warm": ("warm", "every epoch: MONAI, ours with MONAI's DataLoader, ours with ours; volumes and small items"),
+    "loader-paths": ("loader_paths", "one batch moved torch's way and as a block, beside the loader's estimates"),
     "cache": ("bench_cache", "CacheDataset: first batch, warm epochs, memory, fills (eager and on the fly)"),
     "switch": ("bench_switch", "Auto3DSeg's segresnet pipeline, stock and under the switch"),
     "spleen-switch": ("spleen_switch", "a stock spleen-shaped script, stock / under the switch / --no-dataloader"),

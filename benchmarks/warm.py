@@ -155,17 +155,9 @@ def make_images(directory: str, items: int, seed: int = 0) -> list[dict[str, Any
 
 def mednist_transforms() -> Any:
     """MONAI's MedNIST training chain, on dictionaries: the first three are cached, the rest run on every read."""
-    import numpy as np
-    from monai import transforms as mt
+    from monai_cache.synthetic import mednist_transforms as chain
 
-    return mt.Compose([
-        mt.LoadImaged(keys="image"),
-        mt.EnsureChannelFirstd(keys="image"),
-        mt.ScaleIntensityd(keys="image"),
-        mt.RandRotated(keys="image", range_x=np.pi / 12, prob=0.5, keep_size=True),
-        mt.RandFlipd(keys="image", spatial_axis=0, prob=0.5),
-        mt.RandZoomd(keys="image", min_zoom=0.9, max_zoom=1.1, prob=0.5),
-    ])
+    return chain()
 
 
 # ---------------------------------------------------------------------------------------------------------

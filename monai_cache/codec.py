@@ -158,6 +158,7 @@ class Encoded:
         offsets: offset of each buffer from the start of the data area.
         data_offset: where the data area starts in the blob.
         nbytes: total size of the blob.
+        tensors: how many torch tensors the item holds (what torch's pickling would move one by one).
     """
 
     header: bytes
@@ -166,6 +167,7 @@ class Encoded:
     data_offset: int
     nbytes: int
     borrowed: list[bool] = field(default_factory=list)  # per buffer: a view of the item's own memory
+    tensors: int = 0
     keepalive: list[Any] = field(default_factory=list)  # what the buffers point into (contiguous copies, casts)
     _data_crc: int | None = None
     _prefixes: dict[bool, bytes] = field(default_factory=dict)  # by data_crc: a writer asks twice (data, identity)
@@ -182,6 +184,7 @@ class Encoded:
         buffers = [memoryview(bytearray(b)) if own else b for b, own in zip(self.buffers, self.borrowed)]
         out = Encoded(self.header, buffers, self.offsets, self.data_offset, self.nbytes, [False] * len(buffers))
         out.keepalive = [self.keepalive]
+        out.tensors = self.tensors
         return out
 
     def prefix(self, data_crc: bool = True) -> bytes:
@@ -273,6 +276,7 @@ class _Encoder:
         self.done: dict[int, int] = {}  # id of an object of the item -> the number of its node
         self.refs = False
         self.storages: set[int] = set()  # exact: the tensors' storages met so far
+        self.tensors = 0
         self.buffers: list[memoryview] = []
         self.offsets: list[int] = []
         self.borrowed: list[bool] = []
@@ -296,6 +300,7 @@ class _Encoder:
         meta_module = sys.modules.get("monai.data.meta_tensor")
         is_meta = meta_module is not None and isinstance(t, meta_module.MetaTensor)
         node: dict[str, Any] = {"~": "M" if is_meta else "T"}
+        self.tensors += 1
         data = t.as_tensor() if is_meta else t  # type: ignore[attr-defined]
         requires_grad = data.requires_grad
         data = data.detach()
@@ -566,6 +571,7 @@ def encode(
     total = data_offset + (enc.size if enc.buffers else 0)
     out = Encoded(header, enc.buffers, enc.offsets, data_offset, total, enc.borrowed)
     out.keepalive = enc.keepalive
+    out.tensors = enc.tensors
     return out
 
 

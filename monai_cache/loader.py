@@ -23,6 +23,13 @@ How it works:
   gone, a ``weakref.finalize`` marks the segment free in the worker's control page (one byte per segment,
   also a memfd). A segment is never rewritten while any tensor of its batch is referenced: kept batches stay
   valid, pinned copies simply release it sooner.
+* **Which way.** A block costs the codec's walk over the batch in Python; torch's way costs a shared-memory file
+  per tensor. Each encoded batch is weighed both ways (:meth:`_BlockCollate._torch_is_cheaper`, from the
+  header's length, the tensors and the bytes). Where torch's way wins (batches of many small items with their
+  metadata), the batch goes that way and so do the worker's next ones, collated as ``monai.data.DataLoader``
+  does and not encoded, until it re-checks after :data:`RECHECK_AFTER` batches (then twice as many each time);
+  the next workers of the loader start from the last choice, which the main process learns from a
+  :class:`_Choice` around the batch that changed it.
 * **Bounds.** A worker that finds no free segment large enough makes a new one, up to
   :data:`MAX_SEGMENTS` per worker (batches alive in the main process at once); beyond that, and for a batch
   holding a value the codec cannot store, the batch takes torch's ordinary path, with one
@@ -71,6 +78,19 @@ further batches take torch's path (one warning). Each also holds a descriptor in
 SPARE_SEGMENTS = 2
 """Free segments a worker keeps for reuse; it gives back the others (smallest first) after each batch."""
 _FREE, _BUSY, _RETIRED = 0, 1, 2  # one byte per segment in the control page
+
+# What moving a batch costs, in CPU seconds of the worker and the main process together (fitted on 2 cores with
+# `python -m benchmarks loader-paths`, which prints these estimates beside the measured costs). torch's way pays per
+# tensor (a shared-memory file each, its descriptor fetched over a socket) and per byte (fresh pages); the block pays
+# for the codec walking the batch in Python, which the JSON header's length tracks, and one copy of the bytes.
+TORCH_PER_TENSOR_S = 300e-6
+TORCH_PER_BYTE_S = 0.3e-9
+TORCH_PER_HEADER_BYTE_S = 20e-9  # pickling the structure, in C
+BLOCK_PER_HEADER_BYTE_S = 100e-9
+BLOCK_PER_BYTE_S = 0.1e-9
+RECHECK_AFTER = 64
+"""Batches a worker sends torch's way (its estimate said cheaper) before it encodes one again to re-check; the
+interval doubles at each re-check that confirms it, up to 16 times this."""
 _CONTROL_SIZE = 4096
 _GRANULE = 64 << 10  # segment sizes are multiples of this (plus 1/8 headroom: padded batches vary a little)
 
@@ -289,6 +309,18 @@ class _TorchPath:
         return _receive_torch_path, (self.batch, self.reason, self.token)
 
 
+class _Choice:
+    """A batch (or its handle) whose worker changed its choice of way; unpickles as the batch, recording it."""
+
+    __slots__ = ("batch", "token", "torch_cheaper")
+
+    def __init__(self, batch: Any, token: str, torch_cheaper: bool) -> None:
+        self.batch, self.token, self.torch_cheaper = batch, token, torch_cheaper
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _receive_choice, (self.batch, self.token, self.torch_cheaper)
+
+
 @contextlib.contextmanager
 def _worker_info_hidden() -> Iterator[None]:
     """``get_worker_info()`` returns None inside: ``default_collate`` then stacks into ordinary memory."""
@@ -313,23 +345,39 @@ class _BlockCollate:
     """
 
     def __init__(
-        self, collate_fn: Callable[[Any], Any], main_pid: int, token: str, pool: list[tuple[int, int]]
+        self,
+        collate_fn: Callable[[Any], Any],
+        main_pid: int,
+        token: str,
+        pool: list[tuple[int, int]],
+        torch_cheaper: bool = False,
     ) -> None:
         self.collate_fn = collate_fn
         self.main_pid = main_pid
         self.token = token
         self.pool = pool
+        # per worker (each has its own copy): which way the last estimate chose, and when torch's is re-checked
+        self.torch_cheaper = self.reported = torch_cheaper
+        self.batches = 0
+        self.recheck_every = RECHECK_AFTER
+        self.recheck_at = RECHECK_AFTER if torch_cheaper else 0
 
     def __call__(self, samples: Any) -> Any:
         if torch_data_utils.worker._worker_info is None:  # not in a worker: nothing to move
             return self.collate_fn(samples)
         ring, why_not = _worker_ring(self)
+        self.batches += 1
+        if ring is not None and self.torch_cheaper and self.batches <= self.recheck_at:
+            return self.collate_fn(samples)  # exactly monai.data.DataLoader's way: no encode to pay
         with _worker_info_hidden():
             batch = self.collate_fn(samples)
         if ring is None:
             return _TorchPath(batch, f"batches take torch's path: {why_not}", self.token)
         try:  # exact: what a decode cannot give back as torch's pickling would takes torch's path
-            handle = ring.put(encode(batch, exact=True))
+            encoded = encode(batch, exact=True)
+            if self._torch_is_cheaper(encoded):
+                return self._report(batch)
+            handle = ring.put(encoded)
         except UnsupportedValueError as e:
             return _TorchPath(batch, f"a batch takes torch's path: {e}", self.token)
         except (OSError, ValueError, RecursionError) as e:  # no memory for a segment, a value json refuses, ...
@@ -341,7 +389,27 @@ class _BlockCollate:
                 "take torch's path until some are released",
                 self.token,
             )
-        return handle
+        return self._report(handle)
+
+    def _torch_is_cheaper(self, encoded: Encoded) -> bool:
+        """Estimate both ways for this batch; when torch's wins, it is taken until the next re-check."""
+        header, data = len(encoded.header), encoded.nbytes - encoded.data_offset
+        torch_s = TORCH_PER_TENSOR_S * encoded.tensors + TORCH_PER_BYTE_S * data + TORCH_PER_HEADER_BYTE_S * header
+        block_s = BLOCK_PER_HEADER_BYTE_S * header + BLOCK_PER_BYTE_S * data
+        cheaper = torch_s < block_s
+        if cheaper:
+            if self.torch_cheaper:  # confirmed: re-check less often
+                self.recheck_every = min(2 * self.recheck_every, 16 * RECHECK_AFTER)
+            self.recheck_at = self.batches + self.recheck_every
+        self.torch_cheaper = cheaper
+        return cheaper
+
+    def _report(self, batch: Any) -> Any:
+        """The batch as sent; when the choice changed, marked so that the main process hands it to later workers."""
+        if self.torch_cheaper == self.reported:
+            return batch
+        self.reported = self.torch_cheaper
+        return _Choice(batch, self.token, self.torch_cheaper)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -470,6 +538,19 @@ class _Pool:
         return _Pool, ()  # a copied or pickled loader starts with an empty pool of its own
 
 
+_torch_cheaper: dict[str, bool] = {}  # loader token -> the last choice its workers reported
+
+
+def _receive_choice(batch: Any, token: str, torch_cheaper: bool) -> Any:
+    if _torch_cheaper.get(token, False) != torch_cheaper:
+        _log.debug(
+            "DataLoader: batches now take %s: its estimated cost is the lower for them",
+            "torch's path" if torch_cheaper else "the block path",
+        )
+    _torch_cheaper[token] = torch_cheaper
+    return batch
+
+
 _warned: set[tuple[str, str]] = set()
 
 
@@ -563,7 +644,9 @@ class _BlockIterator(_MultiProcessingDataLoaderIter):
 
     @_collate_fn.setter
     def _collate_fn(self, fn: Callable[[Any], Any]) -> None:
-        self._wrapped_collate = _BlockCollate(fn, os.getpid(), self._block_token, self._block_handed)
+        self._wrapped_collate = _BlockCollate(
+            fn, os.getpid(), self._block_token, self._block_handed, _torch_cheaper.get(self._block_token, False)
+        )
 
     def _shutdown_workers(self) -> None:
         try:

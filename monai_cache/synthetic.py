@@ -28,6 +28,7 @@ __all__ = [
     "PIXDIM",
     "crop_size_for",
     "make_dataset",
+    "mednist_transforms",
     "synthetic_volume",
     "tutorial_transforms",
 ]
@@ -222,3 +223,28 @@ def tutorial_transforms(
             ),
         ]
     )
+
+
+def mednist_transforms(load: bool = True) -> Any:
+    """The training chain of MONAI's MedNIST tutorial, on dictionaries with an ``"image"`` key.
+
+    ``LoadImaged`` (if ``load``), ``EnsureChannelFirstd`` (if ``load``), ``ScaleIntensityd``: deterministic; then
+    ``RandRotated(range_x=pi/12, prob=0.5, keep_size=True)``, ``RandFlipd(spatial_axis=0, prob=0.5)``,
+    ``RandZoomd(0.9, 1.1, prob=0.5)``, which run on every read.
+
+    Args:
+        load: start from image files (``LoadImaged``, ``EnsureChannelFirstd``); False: from channel-first arrays.
+
+    Returns:
+        a :class:`monai.transforms.Compose`.
+    """
+    from monai import transforms as mt
+
+    loading = [mt.LoadImaged(keys="image"), mt.EnsureChannelFirstd(keys="image")] if load else []
+    return mt.Compose([
+        *loading,
+        mt.ScaleIntensityd(keys="image"),
+        mt.RandRotated(keys="image", range_x=np.pi / 12, prob=0.5, keep_size=True),
+        mt.RandFlipd(keys="image", spatial_axis=0, prob=0.5),
+        mt.RandZoomd(keys="image", min_zoom=0.9, max_zoom=1.1, prob=0.5),
+    ])  # fmt: skip

@@ -32,7 +32,7 @@ from monai_cache.errors import BatchFallbackWarning
 from monai_cache.loader import MAX_SEGMENTS, DataLoader
 from monai_cache.runtime import pid_alive
 from monai_cache.sampler import ShardedDistributedSampler
-from monai_cache.synthetic import make_dataset, tutorial_transforms
+from monai_cache.synthetic import make_dataset, mednist_transforms, tutorial_transforms
 
 # the drop-in tests: CI runs them on the oldest supported MONAI and on monai-weekly too (.ci/run)
 pytestmark = pytest.mark.dropin
@@ -128,6 +128,28 @@ def test_batches_equal_monai_dataloader_and_come_as_blocks(dataset, collate):
     if collate is None:
         for a, b in zip(ours, theirs):
             assert_batches_equal(decollate_batch(a), decollate_batch(b))
+
+
+def small_items() -> monai.data.Dataset:
+    """MedNIST-shaped items: 64x64 images through MONAI's MedNIST random chain. A batch of 64 holds a few tensors and
+    some nine thousand Python objects of metadata, which torch's pickling moves faster than the codec."""
+    rng = np.random.default_rng(0)
+    data = [{"image": rng.random((1, 64, 64), dtype=np.float32), "label": i % 6} for i in range(256)]
+    return monai.data.Dataset(data, mednist_transforms(load=False))
+
+
+def test_batches_of_many_small_items_take_torch_path_where_it_is_cheaper(dataset):
+    """The loader estimates both ways per batch: volumes come as blocks (the test above), small items torch's way,
+    in every epoch (later workers start from the choice of earlier ones), with the same batches and no warning."""
+    kwargs = {"batch_size": 64, "num_workers": 2}
+    theirs = epochs(monai.data.DataLoader, small_items(), n=2, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchFallbackWarning)  # a choice, not a fallback
+        ours = epochs(DataLoader, small_items(), n=2, **kwargs)
+    for a, b in zip(ours, theirs):
+        assert_batches_equal(a, b)
+    assert not any(in_block(b["image"]) for epoch in ours for b in epoch)
+    assert all(b["image"].is_shared() for epoch in ours for b in epoch)  # torch's shared memory, as MONAI's
 
 
 def test_spawn_and_persistent_workers_over_epochs(dataset):
