@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "epilog_main", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,18 @@ def _shm_caches(shm_dir: str | None) -> list[dict[str, Any]]:
     pids = _attached_pids([c["path"] for c in caches])
     for c in caches:
         c["processes"] = pids.get(c["path"], [])
+        c["commands"] = {str(pid): _command_of(pid) for pid in c["processes"]}
     return caches
+
+
+def _command_of(pid: int, width: int = 60) -> str:
+    """Process ``pid``'s command line, shortened to ``width`` characters ("" if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
+    except OSError:
+        return ""
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _ls_run(args: argparse.Namespace) -> int:
@@ -123,6 +134,10 @@ def _ls_run(args: argparse.Namespace) -> int:
         for c in caches
     ]
     print(format_table(rows, left=2))
+    for c in caches:  # who holds it: a server that keeps one after its training is named here
+        if c["processes"]:
+            holders = ", ".join(f"{pid} ({c['commands'][str(pid)] or '?'})" for pid in c["processes"])
+            print(f"{c['key']} is held by {holders}")
     total = sum(c["bytes"] for c in caches)
     print(f"{len(caches)} cache(s), {format_bytes(total)} in {os.path.dirname(caches[0]['path'])}")
     return 0
@@ -443,6 +458,49 @@ def _top_run(args: argparse.Namespace) -> int:
         return 0
 
 
+# -- epilog -------------------------------------------------------------------------------------------------
+
+
+def _epilog_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job", default=None, help="the Slurm job id (default $SLURM_JOB_ID)")
+    parser.add_argument(
+        "--shm-dir", default=None, help="tmpfs directory of the caches (default $MONAI_CACHE_SHM_DIR or /dev/shm)"
+    )
+
+
+def _epilog_run(args: argparse.Namespace) -> int:
+    """Remove the ended job's shared-memory caches. Always exits 0: a failing Slurm Epilog drains the node."""
+    job = args.job or os.environ.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        print("monai-cache epilog: no Slurm job id (give --job, or run it as Slurm's Epilog)", file=sys.stderr)
+        return 0
+    try:
+        import pwd
+
+        from monai_cache.shm_directory import SLURM_JOB_MARK, cache_root
+        from monai_cache.shm_lifetime import reclaim_job
+
+        uid = os.environ.get("SLURM_JOB_UID", "")
+        if os.getuid() == 0 and uid.isdigit() and int(uid) != 0:  # Slurm's Epilog runs as root: act as the job's user
+            os.setgroups([])
+            os.setgid(pwd.getpwuid(int(uid)).pw_gid)
+            os.setuid(int(uid))
+        root = cache_root(args.shm_dir, create=False)
+        removed = reclaim_job(root, job, SLURM_JOB_MARK) if os.path.isdir(root) else []
+    except Exception as e:  # never fail the epilog; say why
+        print(f"monai-cache epilog: job {job}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 0
+    if removed:
+        print(f"monai-cache epilog: job {job}: removed {len(removed)} cache(s) from {root}: {', '.join(removed)}")
+    return 0
+
+
+def epilog_main() -> int:
+    """``monai-cache-epilog``: ``monai-cache epilog`` with no arguments, for ``Epilog=`` and ``TaskEpilog=`` lines of
+    slurm.conf and ``srun --task-epilog=``, which take a program's path and no arguments."""
+    return main(["epilog"])
+
+
 # -- run ----------------------------------------------------------------------------------------------------
 
 
@@ -523,6 +581,12 @@ COMMANDS: list[Command] = [
         "remove stale shared-memory caches (--all: every cache of ours; --cache-dir: a disk cache)",
         _clear_arguments,
         _clear_run,
+    ),
+    Command(
+        "epilog",
+        "remove the shared-memory caches of a Slurm job that ended (for Epilog / TaskEpilog / srun --task-epilog)",
+        _epilog_arguments,
+        _epilog_run,
     ),
     Command(
         "plan",

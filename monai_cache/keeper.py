@@ -17,11 +17,23 @@ longer than the processes that read it:
   cache start a keeper that holds it ``SECONDS`` more: a script or notebook run again within that time finds it
   warm. Every user that leaves meanwhile moves the deadline (the lease file's mtime).
 
+* **Users that die.** A cache's last user normally removes it on leaving; one killed (SIGKILL, a signal whose
+  default action ends it, an OOM kill) cannot. So the process that creates a cache also starts its *watcher*
+  (:func:`watch`): it looks every :data:`WATCH_SECONDS` whether anybody still holds the cache's lease, and when
+  nobody does, removes it (:func:`monai_cache.shm_lifetime.reclaim_unused`) and exits. A stopped training, a
+  killed process group, a server shut down by SIGTERM: the memory goes within a second, and the process dies as
+  it would have (no signal handler of ours). The watcher ignores SIGTERM, SIGINT and SIGHUP, since the signal
+  that ends a job (``scancel``, a time limit, ``docker stop``) reaches it with the job's processes, and it exits
+  as soon as its cache is gone. Only a kill of every process at once, watcher included (a Slurm step's cgroup
+  killed with SIGKILL), leaves a stale cache: ``monai-cache epilog`` removes a Slurm job's (docs/slurm.md), and
+  the next process that joins any cache reclaims it as before.
+
 The keeper is a fresh interpreter started with ``-I`` that imports only the standard library and this package's
 torch-free modules (a few MB, a few tens of ms); it opens plain files and never ``multiprocessing.shared_memory``,
 so Python 3.11's resource tracker cannot unlink anything. It detaches (its own session, its parent gone at once),
 so torchrun's stopping of a rank's process group does not reach it. One keeper per cache and anchor: it holds an
-exclusive ``flock`` on ``keeper.<anchor>`` in the cache's directory while it lives.
+exclusive ``flock`` on ``keeper.<anchor>`` in the cache's directory while it lives; one watcher per cache, on
+``watcher``. The watcher is the same kind of process.
 """
 
 from __future__ import annotations
@@ -30,19 +42,33 @@ import contextlib
 import fcntl
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
 
 from monai_cache.runtime import pid_alive
-from monai_cache.shm_lifetime import release_keeper
+from monai_cache.shm_lifetime import reclaim_unused, release_keeper
 
-__all__ = ["ENV_AGENT", "ENV_KEEP_ALIVE", "keep_alive_seconds", "start", "torchrun_agent", "wait_for_keepers"]
+__all__ = [
+    "ENV_AGENT",
+    "ENV_KEEP_ALIVE",
+    "WATCH_SECONDS",
+    "keep_alive_seconds",
+    "start",
+    "torchrun_agent",
+    "wait_for_keepers",
+    "watch",
+    "watching",
+]
 
 ENV_AGENT = "MONAI_CACHE_AGENT"
 ENV_KEEP_ALIVE = "MONAI_CACHE_KEEP_ALIVE"
 _READY_TIMEOUT = 30.0  # seconds a joining process waits for a keeper to hold its lease (an interpreter start)
 _CHECK_SECONDS = 2.0  # how often a waiting keeper looks whether its cache was removed (monai-cache clear)
+WATCH_SECONDS = 0.5
+"""How often a cache's watcher looks whether anybody still uses it: a cache whose users died goes within this."""
+_WATCHER = "watcher"  # the watcher's mark in the cache directory
 _BOOT = (
     "import os,sys\n"
     "if os.fork(): os._exit(0)\n"  # detach: the starter reaps us at once, init adopts the keeper
@@ -184,6 +210,60 @@ def start(path: str, root: str, anchor: tuple[int, int] | None, linger: float) -
     return ok
 
 
+def watching(path: str) -> bool:
+    """Whether a watcher of the cache at ``path`` is alive."""
+    return _held(os.path.join(path, _WATCHER))
+
+
+def watch(path: str, root: str) -> bool:
+    """Start the watcher of the cache at ``path`` unless one is alive (the caller holds the root lock and a lease);
+    True if one was started or is alive. It is not waited for: two started at once settle it between themselves
+    (the second finds the mark taken and exits).
+
+    Args:
+        path: the cache directory.
+        root: the per-user root.
+    """
+    if watching(path):
+        return True
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [sys.executable, "-I", "-c", _BOOT, package_root, "watch", path, root]
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+    except OSError:
+        return False
+    proc.wait()  # the first fork: it exits as soon as the watcher is forked off
+    return proc.returncode == 0
+
+
+def _watch_main(path: str, root: str) -> None:
+    """The watcher process: remove the cache at ``path`` once nobody holds its lease, then exit."""
+    with contextlib.suppress(OSError):
+        os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the end of a job reaches us too: outlive it
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        mark = os.open(os.path.join(path, _WATCHER), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os._exit(0)  # the cache went, or another watcher has it
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    try:
+        while True:
+            try:
+                if reclaim_unused(root, path):
+                    break
+            except OSError:  # the root itself went (a test's directory, a container's /dev/shm): nothing to watch
+                break
+            time.sleep(WATCH_SECONDS)
+    finally:
+        os._exit(0)
+
+
 def _wait_for(pid: int, start_time: int, path: str) -> None:
     """Return when process ``pid`` (started at ``start_time``) has exited, or the cache at ``path`` is gone."""
     try:
@@ -215,7 +295,10 @@ def _linger(path: str, linger: float) -> None:
 
 
 def main(args: list[str]) -> None:
-    """The keeper process: ``path root anchor_pid anchor_start linger`` (see :func:`start`)."""
+    """The keeper process: ``path root anchor_pid anchor_start linger`` (see :func:`start`), or the watcher:
+    ``watch path root`` (see :func:`watch`)."""
+    if args[0] == "watch":
+        _watch_main(args[1], args[2])
     path, root, pid, start_time, linger = args[0], args[1], int(args[2]), int(args[3]), float(args[4])
     with contextlib.suppress(OSError):
         os.setsid()  # a session of its own (the first fork had one; we are not its leader)

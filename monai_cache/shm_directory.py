@@ -11,6 +11,8 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
             keep                       present when the cache is to outlive its users (keep_warm=True)
             keeper.<pid>               flock'ed by the keeper holding the cache while torchrun's agent <pid>
                                        lives (keeper.0: for keep_alive seconds); monai_cache.keeper
+            watcher                    flock'ed by the cache's watcher, which removes it when its users die
+            slurm_job.<id>             the Slurm jobs whose processes used it (monai-cache epilog)
             disk_tier                  the disk cache directory behind this cache, if any (one line)
             length                     how many entries the cache has room for (one line; monai-cache top)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
@@ -76,6 +78,7 @@ from monai_cache.shm_lifetime import (
     remove_abandoned,
     remove_dir,
     remover_of,
+    start_idle_collector,
     touch_private,
     try_exclusive,
     unlink_quiet,
@@ -101,6 +104,7 @@ __all__ = [
 ]
 
 ENV_SHM_DIR = "MONAI_CACHE_SHM_DIR"
+SLURM_JOB_MARK = "slurm_job."  # + the job id: a file in the cache directory for each Slurm job that used it
 STANDALONE_MIN = 1 << 20
 """Entries of this many bytes or more get a file of their own (zero-copy mappings, page rounding negligible);
 smaller ones are packed one after another into segment files, so a 16 KiB item costs 16 KiB."""
@@ -456,12 +460,16 @@ class CacheDirectory:
                 fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
             self.lease_fd = fd
+            job = os.environ.get("SLURM_JOB_ID", "")
+            if job.isdigit():  # whose it is, for `monai-cache epilog` when the job ends
+                touch_private(os.path.join(self.path, f"{SLURM_JOB_MARK}{job}"))
             if keep:
                 touch_private(os.path.join(self.path, "keep"))
             else:
                 agent = keeper.torchrun_agent()
                 if agent is not None:  # the cache outlives a restart of the node's ranks: held while the agent lives
                     keeper.start(self.path, self.root, agent, self.keep_alive)
+                keeper.watch(self.path, self.root)  # removes it if its users die without leaving
             if fresh or wiped or magic != MAGIC:
                 fresh_counters = SharedCounters(FIELDS, stats_path, MAGIC)
                 fresh_counters.reset()
@@ -570,9 +578,15 @@ def acquire(root: str, key: str, keep: bool, keep_alive: float = 0.0) -> CacheDi
                 touch_private(os.path.join(d.path, "keep"))
             d.keep_alive = max(d.keep_alive, keep_alive)
             d.refs += 1
-            return d
     finally:
         exit_critical()
+    start_idle_collector(_holding)
+    return d
+
+
+def _holding() -> bool:
+    """Whether this process holds any cache."""
+    return any(d.owner_pid == os.getpid() for d in list(_registry.values()))
 
 
 def release(d: CacheDirectory) -> None:

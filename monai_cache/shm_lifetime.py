@@ -5,7 +5,9 @@ dies. The last process to leave normally removes the cache (:meth:`monai_cache.s
 A cache whose lease nobody holds is stale (its users crashed) and is reclaimed by the next process that joins any
 cache (:func:`reclaim_stale`), unless it is kept (a ``keep`` file: ``keep_warm``). Under torchrun a keeper process
 holds a lease while the node's agent lives, so that restarted ranks find the cache; with ``keep_alive`` one holds it
-that many seconds after its last user left (:mod:`monai_cache.keeper`, which ends with :func:`release_keeper`).
+that many seconds after its last user left (:mod:`monai_cache.keeper`, which ends with :func:`release_keeper`). And
+a watcher, started with each cache, removes it within a second of its last user's death however that user died
+(:func:`reclaim_unused`), without waiting for another process to join a cache.
 Joining, leaving, reclaiming and a keeper's end all happen under the per-user root's lock (:class:`RootLock`), so
 that a process probing a lease never mistakes another prober for a user. A removal holds it too, from the renaming
 of the directory to ``.trash.<pid>.<n>`` to its last file (:func:`remove_dir`): a ``.trash.`` directory seen under
@@ -19,26 +21,32 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import itertools
 import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = [
     "TRASH_PREFIX",
     "RootLock",
+    "ENV_IDLE_COLLECT",
     "defer",
     "enter_critical",
     "exit_critical",
     "in_critical",
     "owned_directory",
     "reclaim_stale",
+    "reclaim_job",
+    "reclaim_unused",
     "release_keeper",
     "remove_abandoned",
     "remove_dir",
     "remover_of",
+    "start_idle_collector",
     "touch_private",
     "try_exclusive",
     "unlink_quiet",
@@ -85,6 +93,50 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ------------------------------------------------------------------------------------------- idle processes
+# A dataset is released when it is garbage-collected. One caught in a reference cycle (ignite's engines and their
+# handlers hold one another, and the dataset through the DataLoader) goes only with a cyclic collection, which Python
+# starts after enough allocations: a server idle after a training may never make them, and would keep the cache. So a
+# process holding a cache that falls idle collects once; a dataset nobody can reach any more then releases its cache.
+ENV_IDLE_COLLECT = "MONAI_CACHE_IDLE_COLLECT"
+"""Seconds between a process's looks at whether it fell idle while holding a cache (default 30; 0: never)."""
+_IDLE_CPU_SHARE = 0.02  # a process that used less than this share of one core since the last look is idle
+_collector: tuple[int, threading.Thread] | None = None  # (pid, thread): one per process, not inherited by fork
+
+
+def _idle_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ENV_IDLE_COLLECT, "30")))
+    except ValueError:
+        return 30.0
+
+
+def start_idle_collector(holding: Callable[[], bool]) -> None:
+    """Start this process's idle collector, unless it runs (or ``$MONAI_CACHE_IDLE_COLLECT`` is 0): a daemon thread
+    that looks every that many seconds whether the process holds a cache (``holding()``) and used almost no CPU since
+    its last look; the first such look after a busy spell runs ``gc.collect()`` once."""
+    global _collector
+    interval = _idle_seconds()
+    if interval <= 0 or (_collector is not None and _collector[0] == os.getpid()):
+        return
+
+    def run() -> None:
+        last, collected = time.process_time(), True
+        while True:
+            time.sleep(interval)
+            now = time.process_time()
+            busy, last = now - last > _IDLE_CPU_SHARE * interval, now
+            if busy:
+                collected = False
+            elif not collected and holding():
+                gc.collect()  # unreachable datasets' finalizers release their caches
+                collected = True
+
+    thread = threading.Thread(target=run, name="monai_cache-idle-collect", daemon=True)
+    _collector = (os.getpid(), thread)
+    thread.start()
 
 
 # ------------------------------------------------------------------------------------------- the root lock
@@ -186,14 +238,57 @@ def reclaim_stale(root: str, skip: str | None = None) -> list[str]:
             continue
         if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
             continue  # kept on purpose, or not one of our caches
-        fd = try_exclusive(os.path.join(path, "lease"), create=False)
-        if fd is None:
-            continue
-        try:
-            remove_dir(path)
+        if _remove_if_unused(path):
             removed.append(name)
-        finally:
-            os.close(fd)
+    return removed
+
+
+def _remove_if_unused(path: str) -> bool:
+    """Remove the cache at ``path`` if nobody holds its lease; True if removed. Caller holds the root lock."""
+    fd = try_exclusive(os.path.join(path, "lease"), create=False)
+    if fd is None:
+        return False
+    try:
+        remove_dir(path)
+    finally:
+        os.close(fd)
+    return True
+
+
+def reclaim_unused(root: str, path: str) -> bool:
+    """The watcher's look at its cache (:func:`monai_cache.keeper.watch`): remove it if nobody holds its lease (its
+    users died, SIGKILL included: the kernel dropped their locks), with any half-removed cache whose remover was
+    killed. True once there is nothing left to watch: the cache is gone (removed now or by its last user) or kept on
+    purpose (``keep``); False while someone uses it. Taken under the root lock, as every join and leave."""
+    with RootLock(root):
+        if not owned_directory(path) or os.path.exists(os.path.join(path, "keep")):
+            return True
+        if not _remove_if_unused(path):
+            return False  # in use (a lease held); a cache is never without its lease file under the root lock
+        for name in os.listdir(root):
+            if remover_of(name) is not None:
+                remove_abandoned(root, name)
+        return True
+
+
+def reclaim_job(root: str, job: str, mark: str) -> list[str]:
+    """Remove the caches of ``root`` that Slurm job ``job`` used (they hold ``mark + job``) and nobody holds a lease
+    on any more, except kept ones; and half-removed caches whose remover was killed. Another job's caches, and any
+    cache still in use (by another job sharing it, or a keeper), are left alone. Returns the names removed."""
+    removed = []
+    with RootLock(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if not owned_directory(path):
+                continue
+            if remover_of(name) is not None:
+                if remove_abandoned(root, name):
+                    removed.append(name)
+                continue
+            if not os.path.exists(os.path.join(path, mark + job)) or os.path.exists(os.path.join(path, "keep")):
+                continue
+            if _remove_if_unused(path):
+                removed.append(name)
     return removed
 
 

@@ -180,6 +180,39 @@ def open_for_writing(pid: int, directory) -> int:
     return n
 
 
+def watcher_pid(cache_path: str, timeout: float = 30.0) -> int:
+    """The pid of the watcher of the shared-memory cache at ``cache_path`` (the process holding its ``watcher`` file
+    open), once it runs: a join starts it without waiting for it."""
+    from monai_cache import keeper
+
+    target = os.path.join(cache_path, "watcher")
+    deadline = time.monotonic() + timeout
+    while True:
+        if keeper.watching(cache_path):
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                with contextlib.suppress(OSError):
+                    if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
+                        return int(pid)
+        assert time.monotonic() < deadline, f"no watcher of {cache_path}"
+        time.sleep(0.01)
+
+
+def freeze_watcher(cache_path: str) -> int:
+    """SIGSTOP the watcher of the cache at ``cache_path``; returns its pid. Stopped, it still holds its mark (no other
+    watcher is started for the cache) but removes nothing, until it is killed: :func:`kill_watcher` in two steps, for a
+    test whose processes keep joining the cache until they are all killed."""
+    pid = watcher_pid(cache_path)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def kill_watcher(cache_path: str, timeout: float = 30.0) -> None:
+    """SIGKILL the watcher of the cache at ``cache_path``, as a kill of every process at once (a Slurm step's cgroup)
+    does: its users killed next leave the cache stale, for the next process that joins a cache to reclaim."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(watcher_pid(cache_path, timeout), signal.SIGKILL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -65,14 +65,18 @@ def test_ls_info_clear_shared_memory(shm_dir):
     crash = textwrap.dedent(
         """
         import os, signal, torch
+        from helpers import kill_watcher
         from monai_cache.shm import SharedMemoryStore
         s = SharedMemoryStore("crashed", 2)
         s[0] = {"x": torch.ones(1000)}
         print(s.path, flush=True)
+        kill_watcher(s.path)  # every process killed at once, the cache's watcher too
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    p = subprocess.run([PY, "-c", crash], capture_output=True, text=True, timeout=60)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    p = subprocess.run([PY, "-c", crash], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == -signal.SIGKILL
     stale_path = p.stdout.strip()
     # things that are not ours: a file next to the root, a file and a directory inside the root
@@ -92,6 +96,9 @@ def test_ls_info_clear_shared_memory(shm_dir):
         assert caches["live"]["entries"] == 2 and caches["live"]["bytes"] > 0
         table = cl("ls").stdout
         assert "crashed" in table and "live" in table and "PROCESSES" in table
+        # the process that holds a cache is named, with its command line (a server keeping one after its training)
+        assert f"live is held by {os.getpid()} (" in table and "pytest" in caches["live"]["commands"][str(os.getpid())]
+        assert "crashed is held" not in table
         assert cl("info").stdout == table  # info without a directory: the shared-memory caches
 
         out = json.loads(mc("clear", "--json").stdout)

@@ -28,13 +28,15 @@ CLOCK_TICK_S = 0.05  # tmpfs stamps mtimes with the kernel's coarse clock: up to
 
 
 def _keepers_of(shm_dir: str) -> list[int]:
-    """Pids of keeper processes whose cache lies under ``shm_dir``."""
+    """Pids of keeper processes whose cache lies under ``shm_dir`` (not its watchers: ``watch`` in their argv)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:
+            continue
+        if b"watch" in argv:
             continue
         if any(b"monai_cache.keeper" in a for a in argv) and any(a.startswith(shm_dir.encode()) for a in argv):
             found.append(int(pid))

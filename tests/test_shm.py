@@ -146,13 +146,17 @@ def test_last_process_exit_removes_cache(shm_dir):
 
 def test_crash_leftovers_are_reclaimed_and_keep_warm_survives(shm_dir):
     crash = """
-        import os, signal, torch
+        import os, signal, sys, torch
+        sys.path.insert(0, {tests!r})
+        from helpers import kill_watcher
         from monai_cache.shm import SharedMemoryStore
         s = SharedMemoryStore("{key}", 2, keep_warm={keep})
         s[0] = {{"x": torch.ones(10)}}
         print(s.path, flush=True)
+        if not {keep}:  # killed with every process at once, its watcher too (a kept cache has none)
+            kill_watcher(s.path)
         os.kill(os.getpid(), signal.SIGKILL)
-    """
+    """.replace("{tests!r}", repr(os.path.dirname(os.path.abspath(__file__))))
     p = spawn(crash.format(key="crashed", keep=False))
     stale_path = p.stdout.readline().strip()
     p.wait(30)

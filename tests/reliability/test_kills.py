@@ -27,6 +27,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import freeze_watcher
 
 from monai_cache import codec, disk_format, runtime
 from monai_cache.dataset import CacheDataset
@@ -146,6 +147,10 @@ class ShmTarget:
                                                      for n in dead)}
 
     def release(self) -> None:
+        # the whole job dies at once, the cache's watcher with it (a Slurm step's cgroup killed): nothing removes the
+        # cache until the next process joins one (tests/test_ended_training.py: the watcher, when it lives on). It is
+        # stopped now and killed once the ranks are (a rank's worker joining meanwhile finds it and starts none).
+        self.watcher = freeze_watcher(self.store.path)
         self.verifier.release()
         self.reader.release()
 
@@ -413,6 +418,7 @@ def test_sigkill_workers_and_ranks_writing_shared_memory(shm_dir):
     path = target.store.path
     t = kill_tally("kills/shm", "shared memory")
     run_kill_trials(t, target, TRIALS, SEED)
+    os.kill(target.watcher, signal.SIGKILL)
     # Whole job killed: ranks and workers died, the cache stays behind with nobody holding its lease...
     t.check(os.path.isdir(path), "the ranks were killed: their cache should still be there, stale")
     states = [c["state"] for c in list_caches(shm_dir) if c["path"] == path]

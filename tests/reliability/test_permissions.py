@@ -19,6 +19,7 @@ import zlib
 
 import pytest
 import torch
+from helpers import kill_watcher
 
 import monai_cache.cli
 import monai_cache.demo  # imported by the CLI; a uid-65534 child cannot read the stdlib under /root
@@ -132,6 +133,7 @@ def test_keep_warm_files_are_owner_only_too(shm_dir, tmp_path, umask):
 def _crash_leaving_stale(shm_dir: str) -> dict:
     s = SharedMemoryStore("stale", 2, shm_dir=shm_dir)
     s[0] = make_item(0, 64)
+    kill_watcher(s.path)  # killed with every process at once: the cache stays behind, stale
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
 
@@ -237,6 +239,10 @@ def _as_nobody_make_cache(shm_dir: str) -> dict:
     become(NOBODY)
     s = SharedMemoryStore("theirs", 2, shm_dir=shm_dir, keep_warm=False)
     s[0] = make_item(0, 64)
+    # its watcher is a fresh interpreter, which cannot start as uid 65534 where Python lives under /root (here): where
+    # it can, it dies with this process, as in a kill of every process at once
+    with contextlib.suppress(AssertionError):
+        kill_watcher(s.path, timeout=3.0)
     os.kill(os.getpid(), signal.SIGKILL)  # leaves a stale cache of uid 65534 behind
     return {}
 
