@@ -477,6 +477,7 @@ def _epilog_run(args: argparse.Namespace) -> int:
     try:
         import pwd
 
+        from monai_cache import keeper
         from monai_cache.shm_directory import SLURM_JOB_MARK, cache_root
         from monai_cache.shm_lifetime import reclaim_job
 
@@ -486,12 +487,17 @@ def _epilog_run(args: argparse.Namespace) -> int:
             os.setgid(pwd.getpwuid(int(uid)).pw_gid)
             os.setuid(int(uid))
         root = cache_root(args.shm_dir, create=False)
-        removed = reclaim_job(root, job, SLURM_JOB_MARK) if os.path.isdir(root) else []
+        lingering: list[str] = []
+        removed = reclaim_job(root, job, SLURM_JOB_MARK, lingering) if os.path.isdir(root) else []
+        for path in lingering:  # keep_alive: a watcher, outside the job's cgroup, removes it when its window ends
+            keeper.watch(path, root)
     except Exception as e:  # never fail the epilog; say why
         print(f"monai-cache epilog: job {job}: {type(e).__name__}: {e}", file=sys.stderr)
         return 0
     if removed:
         print(f"monai-cache epilog: job {job}: removed {len(removed)} cache(s) from {root}: {', '.join(removed)}")
+    for path in lingering:
+        print(f"monai-cache epilog: job {job}: {os.path.basename(path)} kept for its keep_alive window")
     return 0
 
 

@@ -252,10 +252,11 @@ def _watch_main(path: str, root: str) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
+    unused_since: list[float] = []
     try:
         while True:
             try:
-                if reclaim_unused(root, path):
+                if reclaim_unused(root, path, unused_since):
                     break
             except OSError:  # the root itself went (a test's directory, a container's /dev/shm): nothing to watch
                 break

@@ -13,6 +13,7 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
                                        lives (keeper.0: for keep_alive seconds); monai_cache.keeper
             watcher                    flock'ed by the cache's watcher, which removes it when its users die
             slurm_job.<id>             the Slurm jobs whose processes used it (monai-cache epilog)
+            keep_alive                 the keep_alive seconds its users asked (the longest): shm_lifetime
             disk_tier                  the disk cache directory behind this cache, if any (one line)
             length                     how many entries the cache has room for (one line; monai-cache top)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
@@ -73,8 +74,11 @@ from monai_cache.shm_lifetime import (
     enter_critical,
     exit_critical,
     in_critical,
+    keep_alive_left,
     owned_directory,
     reclaim_stale,
+    record_keep_alive,
+    recorded_keep_alive,
     remove_abandoned,
     remove_dir,
     remover_of,
@@ -449,7 +453,8 @@ class CacheDirectory:
                     "use the same version in every process, or another cache_key / shm_dir"
                 )
             wiped = False
-            if fd is not None and not fresh and (other_layout or not os.path.exists(os.path.join(self.path, "keep"))):
+            kept = os.path.exists(os.path.join(self.path, "keep")) or keep_alive_left(self.path) > 0
+            if fd is not None and not fresh and (other_layout or not kept):
                 # Nobody holds a lease: left over by processes that crashed (or kept by another version, whose
                 # entries this version cannot read). Start it afresh.
                 for name in os.listdir(self.path):
@@ -460,6 +465,7 @@ class CacheDirectory:
                 fd = os.open(lease_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)  # converts our exclusive lock, if any, under the root lock
             self.lease_fd = fd
+            record_keep_alive(self.path, self.keep_alive)
             job = os.environ.get("SLURM_JOB_ID", "")
             if job.isdigit():  # whose it is, for `monai-cache epilog` when the job ends
                 touch_private(os.path.join(self.path, f"{SLURM_JOB_MARK}{job}"))
@@ -515,13 +521,14 @@ class CacheDirectory:
                 self.close_files()
                 return False
             lease = os.path.join(self.path, "lease")
-            if self.keep_alive > 0:
+            linger = max(self.keep_alive, recorded_keep_alive(self.path))  # the longest any user asked
+            if linger > 0:
                 with contextlib.suppress(OSError):
                     os.utime(lease)  # a keeper's deadline counts from the last user's leaving
             fd = try_exclusive(lease)
-            if fd is not None and self.keep_alive > 0:
+            if fd is not None and linger > 0:
                 os.close(fd)  # nobody else can join meanwhile: we hold the root lock
-                if keeper.start(self.path, self.root, None, self.keep_alive):
+                if keeper.start(self.path, self.root, None, linger):
                     fd = None  # held by the keeper now
                 else:
                     fd = try_exclusive(lease)

@@ -38,10 +38,13 @@ __all__ = [
     "enter_critical",
     "exit_critical",
     "in_critical",
+    "keep_alive_left",
     "owned_directory",
     "reclaim_stale",
     "reclaim_job",
     "reclaim_unused",
+    "record_keep_alive",
+    "recorded_keep_alive",
     "release_keeper",
     "remove_abandoned",
     "remove_dir",
@@ -224,6 +227,43 @@ def owned_directory(path: str) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
+# ------------------------------------------------------------------------------------------- keep_alive
+# A cache made with keep_alive records its seconds (a ``keep_alive`` file); its window runs from the lease file's mtime,
+# which the last user moves as it leaves. Within the window nobody removes it, even if its keeper was killed with the
+# job (a Slurm step's cgroup): a stale cache within its window is reused as it is, and a watcher (its own, or one the
+# Slurm epilog starts) removes it when the window ends.
+def record_keep_alive(path: str, seconds: float) -> None:
+    """Record that the cache at ``path`` is to outlive its last user by ``seconds`` (the longest any user asked)."""
+    if seconds <= 0 or recorded_keep_alive(path) >= seconds:
+        return
+    fd = os.open(os.path.join(path, "keep_alive"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)  # fmt: skip
+    try:
+        os.write(fd, f"{seconds!r}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def recorded_keep_alive(path: str) -> float:
+    """The keep_alive seconds recorded for the cache at ``path`` (0: none)."""
+    try:
+        with open(os.path.join(path, "keep_alive")) as f:
+            return max(0.0, float(f.read().strip() or 0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def keep_alive_left(path: str) -> float:
+    """Seconds left in the keep_alive window of the cache at ``path`` (0: none, or it ended)."""
+    seconds = recorded_keep_alive(path)
+    if seconds <= 0:
+        return 0.0
+    try:
+        return max(0.0, os.stat(os.path.join(path, "lease")).st_mtime + seconds - time.time())
+    except OSError:
+        return 0.0
+
+
 def reclaim_stale(root: str, skip: str | None = None) -> list[str]:
     """Remove caches nobody holds a lease on (their users crashed), except kept ones. Caller holds the root lock."""
     removed = []
@@ -238,6 +278,8 @@ def reclaim_stale(root: str, skip: str | None = None) -> list[str]:
             continue
         if os.path.exists(os.path.join(path, "keep")) or not os.path.exists(os.path.join(path, "stats")):
             continue  # kept on purpose, or not one of our caches
+        if keep_alive_left(path) > 0:
+            continue  # within its keep_alive window
         if _remove_if_unused(path):
             removed.append(name)
     return removed
@@ -255,26 +297,43 @@ def _remove_if_unused(path: str) -> bool:
     return True
 
 
-def reclaim_unused(root: str, path: str) -> bool:
+def reclaim_unused(root: str, path: str, unused_since: list[float]) -> bool:
     """The watcher's look at its cache (:func:`monai_cache.keeper.watch`): remove it if nobody holds its lease (its
     users died, SIGKILL included: the kernel dropped their locks), with any half-removed cache whose remover was
-    killed. True once there is nothing left to watch: the cache is gone (removed now or by its last user) or kept on
-    purpose (``keep``); False while someone uses it. Taken under the root lock, as every join and leave."""
+    killed. A cache with a keep_alive window is removed when the window ends, counted from when the watcher first
+    found it unused (``unused_since``, the watcher's memory between looks: its users and keeper died). True once there
+    is nothing left to watch: the cache is gone (removed now or by its last user) or kept on purpose (``keep``); False
+    while someone uses it or its window runs. Taken under the root lock, as every join and leave."""
     with RootLock(root):
         if not owned_directory(path) or os.path.exists(os.path.join(path, "keep")):
             return True
-        if not _remove_if_unused(path):
+        lease = os.path.join(path, "lease")
+        fd = try_exclusive(lease, create=False)
+        if fd is None:
+            unused_since.clear()
             return False  # in use (a lease held); a cache is never without its lease file under the root lock
+        os.close(fd)
+        if recorded_keep_alive(path) > 0:
+            if not unused_since:  # its users (and keeper) are gone: the window starts now
+                unused_since.append(time.time())
+                with contextlib.suppress(OSError):
+                    os.utime(lease)
+            if keep_alive_left(path) > 0:
+                return False
+        if not _remove_if_unused(path):
+            return False
         for name in os.listdir(root):
             if remover_of(name) is not None:
                 remove_abandoned(root, name)
         return True
 
 
-def reclaim_job(root: str, job: str, mark: str) -> list[str]:
+def reclaim_job(root: str, job: str, mark: str, lingering: list[str] | None = None) -> list[str]:
     """Remove the caches of ``root`` that Slurm job ``job`` used (they hold ``mark + job``) and nobody holds a lease
     on any more, except kept ones; and half-removed caches whose remover was killed. Another job's caches, and any
-    cache still in use (by another job sharing it, or a keeper), are left alone. Returns the names removed."""
+    cache still in use (by another job sharing it, or a keeper), are left alone. A cache made with keep_alive is not
+    removed: its window starts now (its lease touched) and its path is added to ``lingering``, for a watcher to remove
+    it when the window ends. Returns the names removed."""
     removed = []
     with RootLock(root):
         for name in os.listdir(root):
@@ -286,6 +345,15 @@ def reclaim_job(root: str, job: str, mark: str) -> list[str]:
                     removed.append(name)
                 continue
             if not os.path.exists(os.path.join(path, mark + job)) or os.path.exists(os.path.join(path, "keep")):
+                continue
+            if recorded_keep_alive(path) > 0:
+                fd = try_exclusive(os.path.join(path, "lease"), create=False)
+                if fd is not None:  # unused: the window runs from the job's end, not from its last leave
+                    with contextlib.suppress(OSError):
+                        os.utime(os.path.join(path, "lease"))
+                    os.close(fd)
+                    if lingering is not None:
+                        lingering.append(path)
                 continue
             if _remove_if_unused(path):
                 removed.append(name)

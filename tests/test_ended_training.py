@@ -169,3 +169,40 @@ def test_a_server_training_in_process_gives_the_cache_back_when_idle():
         assert training["held_after"] > 0 and training["released_after"] is not None, out
     for training in out["0"]:
         assert training["held_after"] > 0 and training["released_after"] is None, out
+
+
+def test_keep_alive_outlives_a_job_killed_outright_then_goes(shm_dir):
+    """keep_alive under Slurm: the job's step killed with its cgroup (keeper and watcher too). The epilog keeps the
+    cache for its window, counted from the job's end, with a watcher of its own; a requeued job within the window
+    finds every entry; once the window ends after its last user, nothing is left."""
+    from monai_cache.shm import SharedMemoryStore
+
+    window = 2.0
+    os.environ["MONAI_CACHE_KEEP_ALIVE"] = str(window)
+    try:
+        users = _users(shm_dir, {"requeued": "51"})
+    finally:
+        del os.environ["MONAI_CACHE_KEEP_ALIVE"]
+    proc, path = users["requeued"]
+    kill_watcher(path)
+    proc.kill()
+    proc.wait()
+    time.sleep(window)  # longer than the window counted from the cache's creation: the epilog counts from now
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(
+        [PY, "-m", "monai_cache", "epilog", "--job", "51", "--shm-dir", shm_dir],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and "requeued kept for its keep_alive window" in r.stdout, (r.stdout, r.stderr)
+    watcher = watcher_pid(path)  # started by the epilog
+    again = SharedMemoryStore("requeued", 2, shm_dir=shm_dir)  # the requeued job, within the window: warm
+    assert again[0] is not None and float(again[0]["x"].sum()) == 1000.0
+    again.release()  # its last user leaves: the window runs again from now, then the cache goes
+    left = time.time()
+    deadline = time.monotonic() + 30  # a hang guard
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path) and time.time() >= left + window - 0.1
+    while os.path.exists(f"/proc/{watcher}/fd") and time.monotonic() < deadline:  # exited (a zombie has no fds)
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{watcher}/fd")
