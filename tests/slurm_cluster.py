@@ -203,8 +203,10 @@ def slurm_conf(
     partition: str,
     first_job_id: int,
     debug: str = "info",
+    epilog: str | None = None,
 ) -> str:
     w = workdir
+    epilog_line = f"Epilog={epilog}\n" if epilog else ""
     return f"""\
 # A one-node test cluster (tests/slurm_cluster.py): everything under {w}
 ClusterName=mctest
@@ -242,7 +244,7 @@ MinJobAge=60
 InactiveLimit=0
 FirstJobId={first_job_id}
 MailProg=/bin/true
-NodeName={nodename} NodeAddr=127.0.0.1 NodeHostname={nodename} CPUs={cpus} State=UNKNOWN
+{epilog_line}NodeName={nodename} NodeAddr=127.0.0.1 NodeHostname={nodename} CPUs={cpus} State=UNKNOWN
 PartitionName={partition} Nodes={nodename} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
@@ -291,12 +293,13 @@ def start_cluster(
     partition: str = "debug",
     timeout: float = 60,
     debug: str = "info",
+    epilog: str | None = None,
 ) -> SlurmCluster:
     """Start munged, slurmctld and slurmd for a one-node cluster whose files all live under ``workdir`` (made if
     missing; keep its path short: unix sockets are made under it) and wait until sinfo shows the node idle.
     ``proctrack``: "cgroup" (cgroup/v1, freezer) or "linuxproc" (the process tree); ``debug``: the daemons' log
-    level (info, verbose, debug, debug2...). Raises SlurmUnavailable (the
-    daemons then stopped) if it cannot. The caller stops it with ``cluster.stop()``."""
+    level (info, verbose, debug, debug2...); ``epilog``: a program for slurm.conf's ``Epilog=``. Raises
+    SlurmUnavailable (the daemons then stopped) if it cannot. The caller stops it with ``cluster.stop()``."""
     if proctrack not in ("cgroup", "linuxproc", "pgid"):
         raise ValueError(f"proctrack: {proctrack!r}")
     missing = missing_commands()
@@ -343,6 +346,7 @@ def start_cluster(
                 # job ids of two clusters on one machine differ, and so do their cgroups (.../slurm/uid_0/job_<id>)
                 first_job_id=random.randrange(100_000, 60_000_000),
                 debug=debug,
+                epilog=epilog,
             )
         )
         key = workdir / "munge" / "munge.key"

@@ -1,0 +1,55 @@
+"""A task of a Slurm job (srun's, or a rank torchrun started inside srun): monai_cache.CacheDataset on the fly over
+8 items, read through monai.data.DataLoader with a worker. Every computation of an item appends a line to the calls
+log, so a test counts them across tasks and jobs. No process group: the tasks of a node share the cache through
+shared memory, which is what is tested.
+
+argv: calls_log mode, mode ``once`` (one epoch, then a normal end) or ``forever`` (epochs until the job is ended;
+after the first, ``<calls_log>.ready.<task>`` appears). The shared-memory directory is ``$MONAI_CACHE_SHM_DIR``.
+"""
+
+import os
+import sys
+import time
+
+import monai.data
+import monai.transforms as mt
+import numpy as np
+
+import monai_cache
+
+ITEMS = 8
+
+
+class Counted(mt.MapTransform):
+    """A deterministic transform that logs each computation (cached with the rest of the chain)."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(keys="image")
+        self.log = log
+
+    def __call__(self, data: dict) -> dict:
+        with open(self.log, "a") as f:
+            f.write(f"{int(data['case'])}\n")
+        return dict(data)
+
+
+def main() -> None:
+    log, mode = sys.argv[1], sys.argv[2]
+    task = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    data = [{"image": np.full((4, 16, 16), i, np.float32), "case": i} for i in range(ITEMS)]
+    chain = mt.Compose([Counted(log), mt.ScaleIntensityd(keys="image"), mt.RandFlipd(keys="image", prob=0.5)])
+    ds = monai_cache.CacheDataset(data, chain, runtime_cache=True, progress=False)
+    loader = monai.data.DataLoader(ds, batch_size=2, num_workers=1)
+    epoch = 0
+    while True:
+        for _batch in loader:
+            time.sleep(0.02)
+        epoch += 1
+        if mode == "once":
+            break
+        if epoch == 1:
+            open(f"{log}.ready.{task}", "w").close()
+
+
+if __name__ == "__main__":
+    main()
