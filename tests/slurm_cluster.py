@@ -382,3 +382,16 @@ def start_cluster(
             raise SlurmUnavailable(f"{e}\n{logs}") from e
         raise
     return cluster
+
+
+def cluster_or_skip(workdir: str, proctrack: str, **kw) -> SlurmCluster:
+    """:func:`start_cluster`, or skip the calling test with the reason it cannot start here (fail it instead when
+    ``MONAI_CACHE_REQUIRE_SLURM=1``: CI, which installs Slurm, insists)."""
+    import pytest
+
+    try:
+        return start_cluster(workdir, proctrack=proctrack, **kw)
+    except SlurmUnavailable as e:
+        if os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1":
+            pytest.fail(f"Slurm (proctrack/{proctrack}) cannot start here: {e}")
+        pytest.skip(f"Slurm (proctrack/{proctrack}) cannot start here: {str(e).splitlines()[0]}")

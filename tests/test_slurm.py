@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from slurm_cluster import SlurmUnavailable, missing_commands, start_cluster
+from slurm_cluster import cluster_or_skip, missing_commands
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -33,16 +33,13 @@ pytestmark = [
 def _cluster(proctrack: str):
     workdir = tempfile.mkdtemp(prefix="mcslurm-", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: sockets
     try:
-        cluster = start_cluster(workdir, proctrack=proctrack, kill_wait=KILL_WAIT)
-    except SlurmUnavailable as e:
-        shutil.rmtree(workdir, ignore_errors=True)
-        if REQUIRED:
-            pytest.fail(f"Slurm (proctrack/{proctrack}) cannot start here: {e}")
-        pytest.skip(f"Slurm (proctrack/{proctrack}) cannot start here: {str(e).splitlines()[0]}")
-    try:
-        yield cluster
+        cluster = cluster_or_skip(workdir, proctrack, kill_wait=KILL_WAIT)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

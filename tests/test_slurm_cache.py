@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from slurm_cluster import SlurmUnavailable, missing_commands, start_cluster
+from slurm_cluster import cluster_or_skip, missing_commands
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -38,19 +38,14 @@ def _cluster(proctrack: str):
         f.write(f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} exec {program} >>{workdir}/epilog.log 2>&1\n")
     os.chmod(epilog, 0o755)
     try:
-        cluster = start_cluster(os.path.join(workdir, "c"), proctrack=proctrack, kill_wait=2, epilog=epilog)
-    except SlurmUnavailable as e:
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
-        if REQUIRED:
-            pytest.fail(f"Slurm (proctrack/{proctrack}) cannot start here: {e}")
-        pytest.skip(f"Slurm (proctrack/{proctrack}) cannot start here: {str(e).splitlines()[0]}")
-    cluster.env.update({"MONAI_CACHE_SHM_DIR": shm, "PYTHONPATH": os.pathsep.join(sys.path)})
-    cluster.shm = shm  # type: ignore[attr-defined]
-    try:
-        yield cluster
+        cluster = cluster_or_skip(os.path.join(workdir, "c"), proctrack, kill_wait=2, epilog=epilog)
+        cluster.env.update({"MONAI_CACHE_SHM_DIR": shm, "PYTHONPATH": os.pathsep.join(sys.path)})
+        cluster.shm = shm  # type: ignore[attr-defined]
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
