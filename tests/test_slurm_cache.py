@@ -131,6 +131,18 @@ def test_torchrun_inside_srun_leaves_nothing(slurm, tmp_path):
     wait_until(lambda: slurm.wait_jobs_gone(timeout=1) and left(slurm) == [], f"left: {left(slurm)}", timeout=20)
 
 
+def test_torchrun_restart_inside_srun_finds_the_cache(slurm, tmp_path):
+    """srun -n 1 torchrun --max-restarts=1: rank 0 fails after its first epoch, torchrun restarts both ranks, and they
+    find every entry (8 computations over both attempts): the keeper, in the step's cgroup, outlives the restart."""
+    log = str(tmp_path / "calls")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    out = slurm.run("srun", "-n", "1", *torchrun, TRAIN, log, "crash-once", timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(open(f"{log}.starts").read().split("\n")[:-1]) == ["0 0", "0 1", "1 0", "1 1"]  # two attempts
+    assert calls(log) == list(range(ITEMS))
+    wait_until(lambda: slurm.wait_jobs_gone(timeout=1) and left(slurm) == [], f"left: {left(slurm)}", timeout=20)
+
+
 def test_requeued_job_with_keep_alive_computes_nothing_again(slurm, tmp_path):
     """keep_alive=60: the first job ends (its keeper killed with its step); the epilog keeps the cache for the window;
     the next job on the node, within it, computes nothing."""

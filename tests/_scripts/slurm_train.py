@@ -3,8 +3,9 @@
 log, so a test counts them across tasks and jobs. No process group: the tasks of a node share the cache through
 shared memory, which is what is tested.
 
-argv: calls_log mode, mode ``once`` (one epoch, then a normal end) or ``forever`` (epochs until the job is ended;
-after the first, ``<calls_log>.ready.<task>`` appears). The shared-memory directory is ``$MONAI_CACHE_SHM_DIR``.
+argv: calls_log mode, mode ``once`` (one epoch, then a normal end), ``crash-once`` (as once, but under torchrun rank 0
+of the first attempt fails after its epoch) or ``forever`` (epochs until the job is ended; after the first,
+``<calls_log>.ready.<task>`` appears). The shared-memory directory is ``$MONAI_CACHE_SHM_DIR``.
 """
 
 import os
@@ -36,6 +37,8 @@ class Counted(mt.MapTransform):
 def main() -> None:
     log, mode = sys.argv[1], sys.argv[2]
     task = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    with open(f"{log}.starts", "a") as f:  # "<task> <torchrun's restart count>": which attempts ran
+        f.write(f"{task} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')}\n")
     data = [{"image": np.full((4, 16, 16), i, np.float32), "case": i} for i in range(ITEMS)]
     chain = mt.Compose([Counted(log), mt.ScaleIntensityd(keys="image"), mt.RandFlipd(keys="image", prob=0.5)])
     ds = monai_cache.CacheDataset(data, chain, runtime_cache=True, progress=False)
@@ -45,7 +48,9 @@ def main() -> None:
         for _batch in loader:
             time.sleep(0.02)
         epoch += 1
-        if mode == "once":
+        if mode == "crash-once" and task == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            os._exit(1)  # a rank fails after its first epoch: torchrun restarts every rank of the node
+        if mode in ("once", "crash-once"):
             break
         if epoch == 1:
             open(f"{log}.ready.{task}", "w").close()
