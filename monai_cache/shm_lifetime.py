@@ -144,15 +144,23 @@ def start_idle_collector(holding: Callable[[], bool]) -> None:
 
 # ------------------------------------------------------------------------------------------- the root lock
 class RootLock:
-    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short)."""
+    """flock on the per-user root's .lock: serialises join, leave and reclaim (all short).
 
-    def __init__(self, root: str) -> None:
+    Args:
+        root: the per-user root.
+        create: create the lock file if it is missing; False raises ``FileNotFoundError`` instead (a watcher, whose
+            root may be being removed: it must not put a file back into it).
+    """
+
+    def __init__(self, root: str, create: bool = True) -> None:
         self.path = os.path.join(root, ".lock")
+        self.create = create
 
     def __enter__(self) -> RootLock:
         enter_critical()
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if self.create else 0)
+            self.fd = os.open(self.path, flags, 0o600)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except BaseException:
             exit_critical()
@@ -304,7 +312,7 @@ def reclaim_unused(root: str, path: str, unused_since: list[float]) -> bool:
     found it unused (``unused_since``, the watcher's memory between looks: its users and keeper died). True once there
     is nothing left to watch: the cache is gone (removed now or by its last user) or kept on purpose (``keep``); False
     while someone uses it or its window runs. Taken under the root lock, as every join and leave."""
-    with RootLock(root):
+    with RootLock(root, create=False):
         if not owned_directory(path) or os.path.exists(os.path.join(path, "keep")):
             return True
         lease = os.path.join(path, "lease")
