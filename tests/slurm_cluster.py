@@ -21,7 +21,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -395,3 +397,18 @@ def cluster_or_skip(workdir: str, proctrack: str, **kw) -> SlurmCluster:
         if os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1":
             pytest.fail(f"Slurm (proctrack/{proctrack}) cannot start here: {e}")
         pytest.skip(f"Slurm (proctrack/{proctrack}) cannot start here: {str(e).splitlines()[0]}")
+
+
+@contextlib.contextmanager
+def temporary_cluster(proctrack: str, **kw) -> Iterator[SlurmCluster]:
+    """A cluster in a fresh working directory under /tmp (short: unix sockets are made under it), stopped and removed
+    however the block ends; skips the calling test where it cannot start (:func:`cluster_or_skip`)."""
+    workdir = tempfile.mkdtemp(prefix="mcslurm-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        cluster = cluster_or_skip(workdir, proctrack, **kw)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -7,15 +7,13 @@ failure instead. The daemons start once per module for each proctrack plugin (we
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import textwrap
 import time
 
 import pytest
-from slurm_cluster import cluster_or_skip, missing_commands
+from slurm_cluster import missing_commands, temporary_cluster
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -31,15 +29,8 @@ pytestmark = [
 
 
 def _cluster(proctrack: str):
-    workdir = tempfile.mkdtemp(prefix="mcslurm-", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: sockets
-    try:
-        cluster = cluster_or_skip(workdir, proctrack, kill_wait=KILL_WAIT)
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with temporary_cluster(proctrack, kill_wait=KILL_WAIT) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

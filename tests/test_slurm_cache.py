@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from slurm_cluster import cluster_or_skip, missing_commands
+from slurm_cluster import missing_commands, temporary_cluster
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -30,23 +30,20 @@ pytestmark = [
 
 def _cluster(proctrack: str):
     """A cluster whose jobs keep their caches in a directory of its own, with monai_cache's epilog."""
-    workdir = tempfile.mkdtemp(prefix="mcsc-", dir="/tmp")
     shm = tempfile.mkdtemp(prefix="mc-test-slurm-", dir="/dev/shm")
-    epilog = os.path.join(workdir, "epilog.sh")  # Slurm runs it as root with its own environment: name the directory
+    epilog_dir = tempfile.mkdtemp(prefix="mcsc-", dir="/tmp")
+    epilog = os.path.join(epilog_dir, "epilog.sh")  # Slurm runs it as root with its own environment: name the directory
     with open(epilog, "w") as f:
         program = shutil.which("monai-cache-epilog")
-        f.write(f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} exec {program} >>{workdir}/epilog.log 2>&1\n")
+        f.write(f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} exec {program} >>{epilog_dir}/epilog.log 2>&1\n")
     os.chmod(epilog, 0o755)
     try:
-        cluster = cluster_or_skip(os.path.join(workdir, "c"), proctrack, kill_wait=2, epilog=epilog)
-        cluster.env.update({"MONAI_CACHE_SHM_DIR": shm, "PYTHONPATH": os.pathsep.join(sys.path)})
-        cluster.shm = shm  # type: ignore[attr-defined]
-        try:
+        with temporary_cluster(proctrack, kill_wait=2, epilog=epilog) as cluster:
+            cluster.env.update({"MONAI_CACHE_SHM_DIR": shm, "PYTHONPATH": os.pathsep.join(sys.path)})
+            cluster.shm = shm  # type: ignore[attr-defined]
             yield cluster
-        finally:
-            cluster.stop()
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(epilog_dir, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
 
