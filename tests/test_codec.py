@@ -138,6 +138,31 @@ def test_small_arrays_decoded_again_are_private_writable_copies():
         assert np.array_equal(second[key], want) and np.array_equal(third[key], want), key  # ...changes no other
 
 
+def test_small_tensors_and_enum_keys_encoded_from_the_memo_are_each_their_own():
+    # A meta dict's affine and MONAI's enum keys are encoded once per content and reused item after item: tensors
+    # of the same bytes but another shape or dtype, one that requires grad, and a transposed one stay what they were.
+    raw = torch.arange(16, dtype=torch.float64)
+    pieces = {
+        "aff": raw.reshape(4, 4), "flat": raw.clone(), "as_int": raw.view(torch.int64).reshape(4, 4),
+        "grad": raw.reshape(4, 4).clone().requires_grad_(), "transposed": raw.reshape(4, 4).t(),
+        MetaKeys.AFFINE: "enum key", "again": raw.reshape(4, 4),
+    }
+    for _ in range(2):  # the second pass comes from the memo
+        item = {k: (v.detach().clone().requires_grad_() if k == "grad" else v) for k, v in pieces.items()}
+        out = decode(memoryview(bytearray(encode(item).to_bytes())))
+        assert list(out) == list(item) and isinstance(list(out)[5], MetaKeys)
+        for key, want in item.items():
+            got = out[key]
+            if isinstance(want, torch.Tensor):
+                want = want.detach()
+                assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride(), key
+                assert torch.equal(got, want), key
+            else:
+                assert got == want
+        out["aff"][0, 0] = 99  # each decode has tensors of its own
+        assert pieces["aff"][0, 0] == 0
+
+
 class Color(enum.Enum):
     RED = "red"
 
