@@ -8,6 +8,13 @@ Three ways to turn it on, one mechanism:
   Every Python process of the tree inherits both (torchrun's ranks, spawned DataLoader workers, Auto3DSeg's
   trainings) and calls :func:`install` at start-up. ``install()`` in code sets them for its children too.
 
+At start-up, two hooks call :func:`install` where :data:`ENV_VAR` asks for it, the first one that runs doing it
+(``install()`` is idempotent): ``monai_cache_switch.pth``, which ``pip install`` (editable or not) puts into
+site-packages (setup.py), and which Python runs before any ``sitecustomize`` whatever ``PYTHONPATH`` holds, so a
+launcher's ``sitecustomize`` put in front of ours cannot turn the switch off; and the ``sitecustomize.py`` of
+:func:`site_dir`, for an interpreter that finds the package on ``PYTHONPATH`` only (no ``.pth``: not installed, or
+installed with ``pip install --target``), which also runs the ``sitecustomize`` it shadows.
+
 :func:`install` imports neither torch nor MONAI: if ``monai`` is not imported yet it adds an import hook that
 patches the moment ``import monai`` finishes (``import monai`` imports ``monai.data`` and ``monai.apps``), so a
 process that never uses MONAI (``torchrun``'s agent, a shell tool) pays only for this module.
@@ -45,9 +52,10 @@ __all__ = [
 ]
 
 ENV_VAR = "MONAI_CACHE_SWITCH"
-"""``1`` turns the switch on in every Python process that starts with :func:`site_dir` on ``PYTHONPATH``, the
-DataLoader included; ``datasets`` swaps the datasets only (``monai.data.DataLoader`` stays MONAI's).
-``dataloader``, the value of earlier releases, means ``1``."""
+"""``1`` turns the switch on in every Python process that starts with it, in an environment where the package is
+installed (``monai_cache_switch.pth``) or with :func:`site_dir` on ``PYTHONPATH``, the DataLoader included;
+``datasets`` swaps the datasets only (``monai.data.DataLoader`` stays MONAI's). ``dataloader``, the value of earlier
+releases, means ``1``."""
 
 DATASETS_ONLY = "datasets"
 """The value of :data:`ENV_VAR` that leaves ``monai.data.DataLoader`` as MONAI's."""
