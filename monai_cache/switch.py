@@ -46,6 +46,7 @@ __all__ = [
     "installed",
     "load_ipython_extension",
     "original",
+    "pth_file",
     "site_dir",
     "swapped_names",
     "uninstall",
@@ -79,6 +80,10 @@ _DATALOADER: dict[str, tuple[tuple[str, ...], str]] = {
 
 _SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_switch_site")
 
+PTH = "monai_cache_switch.pth"
+"""The file that ``pip install`` puts into site-packages beside the package (setup.py): Python runs it at start-up,
+before any ``sitecustomize``, and it calls :func:`install` where :data:`ENV_VAR` asks for it."""
+
 
 class _State:
     """The switch in this process: what was replaced (to undo it), the hook, the environment before."""
@@ -95,6 +100,18 @@ class _State:
 def site_dir() -> str:
     """The directory holding the ``sitecustomize.py`` that turns the switch on in a new interpreter."""
     return _SITE_DIR
+
+
+def pth_file() -> str | None:
+    """:data:`PTH` in a site-packages directory of this interpreter that ``site`` reads at start-up, or ``None``: not
+    installed here (the package found on ``PYTHONPATH`` only, or installed without it), where the switch relies on the
+    ``sitecustomize.py`` of :func:`site_dir`."""
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", list)())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return next((os.path.join(d, PTH) for d in dirs if os.path.isfile(os.path.join(d, PTH))), None)
 
 
 def swapped_names(dataloader: bool = False) -> dict[str, tuple[tuple[str, ...], str]]:

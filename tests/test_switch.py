@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import site
 import subprocess
 import sys
 import warnings
@@ -35,7 +34,6 @@ pytestmark = pytest.mark.dropin
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "_scripts")
-PTH = "monai_cache_switch.pth"  # setup.py installs it into site-packages
 MONAI_MODULES = {"monai.data.dataset", "monai.data", "monai.data.dataloader", "monai.apps.datasets", "monai.apps"}
 
 
@@ -202,6 +200,9 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
     assert main(["run", "--dry-run", "--no-dataloader", "--", "true"]) == 0
     out = capsys.readouterr().out
     assert "DataLoader" not in out.split("would run")[0] and f"{switch.ENV_VAR}={switch.DATASETS_ONLY} " in out
+    said = out.splitlines()[-1]  # how CMD's processes turn it on: the .pth where installed (setup.py)
+    pth = switch.pth_file()
+    assert said.startswith(f"turned on at start-up by {pth}," if pth else "turned on at start-up by the sitecustomize")
 
 
 _CHAIN_AFTER_OWN_DIRECTORY = """\
@@ -234,14 +235,6 @@ _SWITCH_STATE = (
     "hooks = sum(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path); "
     "print('switch on' if switch.installed() else 'switch off', hooks, 'user site' if site.ENABLE_USER_SITE else '')"
 )
-
-
-def installed_pth() -> str | None:
-    """``monai_cache_switch.pth`` in a site-packages directory that ``site.py`` read at this interpreter's start
-    (``pip install .`` and ``pip install -e .`` put it there: setup.py), if any."""
-    dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
-    found = [os.path.join(d, PTH) for d in dirs if os.path.isfile(os.path.join(d, PTH))]
-    return found[0] if found else None
 
 
 def test_sitecustomize_chain_runs_each_once(tmp_path):
@@ -277,7 +270,7 @@ def test_switch_on_though_a_sitecustomize_before_ours_does_not_chain(tmp_path):
     p = subprocess.run([sys.executable, "-c", _SWITCH_STATE], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     lines, said = p.stdout.splitlines(), [x for x in p.stderr.splitlines() if x.startswith("monai_cache switch:")]
-    if installed_pth() is not None:
+    if switch.pth_file() is not None:
         assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch on 1 "), lines
         assert not said, p.stderr[-3000:]
     elif lines[-1].endswith("user site"):
@@ -292,12 +285,12 @@ def test_pth_line_with_the_switch_off_imports_and_changes_nothing(monkeypatch, c
     empty, ``0``) it imports nothing and changes nothing; on, where the package cannot be imported, it says so and
     does not raise (a ``.pth`` line that raises prints a traceback at every start). The copy installed in this
     interpreter's site-packages, if any, is this one."""
-    text = open(os.path.join(REPO, PTH)).read()
+    text = open(os.path.join(REPO, switch.PTH)).read()
     lines = [x for x in text.splitlines() if x and not x.startswith("#")]
     assert len(lines) == 1 and lines[0].startswith("import "), lines
-    installed = installed_pth()
+    installed = switch.pth_file()
     if installed is not None:
-        assert open(installed).read() == text, f"{installed} is not {PTH} of this tree: pip install -e . again"
+        assert open(installed).read() == text, f"{installed} is not {switch.PTH} of this tree: pip install -e . again"
     for value in (None, "", "0", "off"):
         if value is None:
             monkeypatch.delenv(switch.ENV_VAR, raising=False)
@@ -311,7 +304,8 @@ def test_pth_line_with_the_switch_off_imports_and_changes_nothing(monkeypatch, c
     exec(lines[0], {})
     assert not switch.installed()
     err = capsys.readouterr().err
-    assert err.startswith(f"monai_cache switch: not turned on in this process ({sys.executable}) by {PTH}: "), err
+    said = f"monai_cache switch: not turned on in this process ({sys.executable}) by {switch.PTH}: "
+    assert err.startswith(said), err
 
 
 @pytest.fixture(scope="module")
