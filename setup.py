@@ -10,8 +10,9 @@ own in front of ours (docs/migrating.md). setuptools puts only packages and modu
   and import finder only, leaving out what ``build_py`` made; ``editable_wheel`` then adds the file to that wheel,
   and its line to the wheel's ``RECORD`` (so that ``pip uninstall`` removes it).
 
-``setup.py develop`` (setuptools before 64, no PEP 660) does not install the file: there the switch relies on its
-``sitecustomize.py`` alone.
+Needs setuptools 64 or later (PEP 660; pyproject.toml asks for it). An install that does not run this file's
+commands (``pip install --target``, whose ``.pth`` files Python does not read, or a repackaging) leaves the switch to
+its ``sitecustomize.py`` on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
