@@ -552,6 +552,16 @@ def _run_run(args: argparse.Namespace) -> int:
             switch.uninstall()
         print(f"would run: {' '.join(cmd) if cmd else '(no command given)'}")
         print(f"with {switch.ENV_VAR}={env[switch.ENV_VAR]} PYTHONPATH={env['PYTHONPATH']}")
+        pth = switch.pth_file()
+        if pth is not None:
+            print(f"turned on at start-up by {pth}, before any sitecustomize, whatever PYTHONPATH holds")
+        else:
+            print(
+                f"turned on at start-up by the sitecustomize.py on PYTHONPATH only ({switch.PTH} is not in this "
+                "interpreter's site-packages: pip install monai_cache puts it there): a sitecustomize that a "
+                "launcher puts in front of it, and that does not run the next one, leaves the switch to "
+                "usercustomize.py, and off without the user site"
+            )
         return 0
     if not cmd:
         print("monai-cache run: give the command after --, e.g. monai-cache run -- python train.py", file=sys.stderr)

@@ -8,6 +8,13 @@ Three ways to turn it on, one mechanism:
   Every Python process of the tree inherits both (torchrun's ranks, spawned DataLoader workers, Auto3DSeg's
   trainings) and calls :func:`install` at start-up. ``install()`` in code sets them for its children too.
 
+At start-up, two hooks call :func:`install` where :data:`ENV_VAR` asks for it, the first one that runs doing it
+(``install()`` is idempotent): ``monai_cache_switch.pth``, which ``pip install`` (editable or not) puts into
+site-packages (setup.py), and which Python runs before any ``sitecustomize`` whatever ``PYTHONPATH`` holds, so a
+launcher's ``sitecustomize`` put in front of ours cannot turn the switch off; and the ``sitecustomize.py`` of
+:func:`site_dir`, for an interpreter that finds the package on ``PYTHONPATH`` only (no ``.pth``: not installed, or
+installed with ``pip install --target``), which also runs the ``sitecustomize`` it shadows.
+
 :func:`install` imports neither torch nor MONAI: if ``monai`` is not imported yet it adds an import hook that
 patches the moment ``import monai`` finishes (``import monai`` imports ``monai.data`` and ``monai.apps``), so a
 process that never uses MONAI (``torchrun``'s agent, a shell tool) pays only for this module.
@@ -39,15 +46,17 @@ __all__ = [
     "installed",
     "load_ipython_extension",
     "original",
+    "pth_file",
     "site_dir",
     "swapped_names",
     "uninstall",
 ]
 
 ENV_VAR = "MONAI_CACHE_SWITCH"
-"""``1`` turns the switch on in every Python process that starts with :func:`site_dir` on ``PYTHONPATH``, the
-DataLoader included; ``datasets`` swaps the datasets only (``monai.data.DataLoader`` stays MONAI's).
-``dataloader``, the value of earlier releases, means ``1``."""
+"""``1`` turns the switch on in every Python process that starts with it, in an environment where the package is
+installed (``monai_cache_switch.pth``) or with :func:`site_dir` on ``PYTHONPATH``, the DataLoader included;
+``datasets`` swaps the datasets only (``monai.data.DataLoader`` stays MONAI's). ``dataloader``, the value of earlier
+releases, means ``1``."""
 
 DATASETS_ONLY = "datasets"
 """The value of :data:`ENV_VAR` that leaves ``monai.data.DataLoader`` as MONAI's."""
@@ -71,6 +80,10 @@ _DATALOADER: dict[str, tuple[tuple[str, ...], str]] = {
 
 _SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_switch_site")
 
+PTH = "monai_cache_switch.pth"
+"""The file that ``pip install`` puts into site-packages beside the package (setup.py): Python runs it at start-up,
+before any ``sitecustomize``, and it calls :func:`install` where :data:`ENV_VAR` asks for it."""
+
 
 class _State:
     """The switch in this process: what was replaced (to undo it), the hook, the environment before."""
@@ -87,6 +100,18 @@ class _State:
 def site_dir() -> str:
     """The directory holding the ``sitecustomize.py`` that turns the switch on in a new interpreter."""
     return _SITE_DIR
+
+
+def pth_file() -> str | None:
+    """:data:`PTH` in a site-packages directory of this interpreter that ``site`` reads at start-up, or ``None``: not
+    installed here (the package found on ``PYTHONPATH`` only, or installed without it), where the switch relies on the
+    ``sitecustomize.py`` of :func:`site_dir`."""
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", list)())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return next((os.path.join(d, PTH) for d in dirs if os.path.isfile(os.path.join(d, PTH))), None)
 
 
 def swapped_names(dataloader: bool = False) -> dict[str, tuple[tuple[str, ...], str]]:

@@ -5,7 +5,8 @@ In this process: off, nothing is patched; on, every name is ours, results equal 
 a bundle with short names under ``monai-cache run -- python -m monai.bundle run``, a spawned DataLoader worker
 and a plain child inside it (with a worker forked from it), ``monai-cache top``, the exit status, the sitecustomize
 chain, the log line (once, though both workers import MONAI), the bundle's DataLoader. Two more: a chaining
-sitecustomize on either side of ours, each run once; one before ours that does not chain.
+sitecustomize on either side of ours, each run once; one before ours that does not chain (the switch on all the same
+where monai_cache_switch.pth is installed). The .pth line itself, in this process: off, it imports nothing.
 The notebook with ``%load_ext monai_cache``: tests/test_notebook.py (the tutorial's kernel, one interpreter less).
 """
 
@@ -199,6 +200,9 @@ def test_run_dry_run_lists_the_classes_and_runs_nothing(capsys, tmp_path):
     assert main(["run", "--dry-run", "--no-dataloader", "--", "true"]) == 0
     out = capsys.readouterr().out
     assert "DataLoader" not in out.split("would run")[0] and f"{switch.ENV_VAR}={switch.DATASETS_ONLY} " in out
+    said = out.splitlines()[-1]  # how CMD's processes turn it on: the .pth where installed (setup.py)
+    pth = switch.pth_file()
+    assert said.startswith(f"turned on at start-up by {pth}," if pth else "turned on at start-up by the sitecustomize")
 
 
 _CHAIN_AFTER_OWN_DIRECTORY = """\
@@ -226,42 +230,82 @@ sys.path[:] = saved
 """
 
 
+_SWITCH_STATE = (
+    "import site, sys; from monai_cache import switch; "
+    "hooks = sum(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path); "
+    "print('switch on' if switch.installed() else 'switch off', hooks, 'user site' if site.ENABLE_USER_SITE else '')"
+)
+
+
 def test_sitecustomize_chain_runs_each_once(tmp_path):
     """A chaining ``sitecustomize`` before ours (a launcher prepended its directory) and one after: each runs once,
-    and the switch is on. ``before`` chains to the entries after its own directory, leaving the path whole (ours
-    found it again and ran it twice); ``after`` chains to the whole path less its own directory, which finds
-    ``before`` again unless ours hides the entries before it. A ``usercustomize`` after ours runs once too.
-
-    A second interpreter: one before ours that does not chain (``shadow``). Where Python imports ``usercustomize``
-    (the user site on), ours turns the switch on from there and says so; elsewhere the switch stays off."""
+    and the switch is on, once (one import hook), whether ``monai_cache_switch.pth`` turned it on first or ours.
+    ``before`` chains to the entries after its own directory, leaving the path whole (ours found it again and ran it
+    twice); ``after`` chains to the whole path less its own directory, which finds ``before`` again unless ours hides
+    the entries before it. A ``usercustomize`` after ours runs once too."""
     for name, text in (("before", _CHAIN_AFTER_OWN_DIRECTORY), ("after", _CHAIN_WHOLE_PATH_LESS_OWN)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "sitecustomize.py").write_text(text.format(name=name))
     (tmp_path / "after" / "usercustomize.py").write_text("print('user ran', flush=True)\n")
-    (tmp_path / "shadow").mkdir()
-    (tmp_path / "shadow" / "sitecustomize.py").write_text("print('shadow ran', flush=True)\n")
-    code = (
-        "import site; from monai_cache import switch; "
-        "print('switch on' if switch.installed() else 'switch off', 'user site' if site.ENABLE_USER_SITE else '')"
-    )
-    out = {}
-    for first in ("before", "shadow"):
-        path = [str(tmp_path / first), switch.site_dir(), str(tmp_path / "after"), REPO]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), switch.ENV_VAR: "1"}
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-        assert p.returncode == 0, p.stderr[-3000:]
-        out[first] = p.stdout.splitlines(), p.stderr
-    lines, stderr = out["before"]
+    path = [str(tmp_path / "before"), switch.site_dir(), str(tmp_path / "after"), REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), switch.ENV_VAR: "1"}
+    p = subprocess.run([sys.executable, "-c", _SWITCH_STATE], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
     user_site = lines[-1].endswith("user site")
     assert lines == ["before ran", "after ran", *(["user ran"] if user_site else []), lines[-1]], lines
-    assert lines[-1].startswith("switch on") and "monai_cache switch:" not in stderr, stderr[-3000:]
-    lines, stderr = out["shadow"]
-    if user_site:
-        assert lines == ["shadow ran", "user ran", lines[-1]] and lines[-1].startswith("switch on"), lines
-        said = [x for x in stderr.splitlines() if x.startswith("monai_cache switch:")]
-        assert len(said) == 1 and str(tmp_path / "shadow" / "sitecustomize.py") in said[0], stderr[-3000:]
+    assert lines[-1].startswith("switch on 1 ") and "monai_cache switch:" not in p.stderr, p.stderr[-3000:]
+
+
+def test_switch_on_though_a_sitecustomize_before_ours_does_not_chain(tmp_path):
+    """A launcher's directory in front of ours holding a ``sitecustomize.py`` that does not run the next one
+    (MONAI Label's, a cluster's): Python imports only that one. ``monai_cache_switch.pth``, installed with the
+    package, turns the switch on before it, once, whatever the path holds, and nothing is said. Without it (the
+    package on ``PYTHONPATH`` only), ours turns it on from ``usercustomize`` where Python imports that (the user
+    site on) and says so, naming the file; elsewhere the switch stays off in that process."""
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "sitecustomize.py").write_text("print('shadow ran', flush=True)\n")
+    path = [str(tmp_path / "shadow"), switch.site_dir(), REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), switch.ENV_VAR: "1"}
+    p = subprocess.run([sys.executable, "-c", _SWITCH_STATE], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines, said = p.stdout.splitlines(), [x for x in p.stderr.splitlines() if x.startswith("monai_cache switch:")]
+    if switch.pth_file() is not None:
+        assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch on 1 "), lines
+        assert not said, p.stderr[-3000:]
+    elif lines[-1].endswith("user site"):
+        assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch on 1 "), lines
+        assert len(said) == 1 and str(tmp_path / "shadow" / "sitecustomize.py") in said[0], p.stderr[-3000:]
     else:  # a virtual environment without the system's site packages: nothing of ours runs
-        assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch off"), lines
+        assert lines == ["shadow ran", lines[-1]] and lines[-1].startswith("switch off 0 "), lines
+
+
+def test_pth_line_with_the_switch_off_imports_and_changes_nothing(monkeypatch, capsys):
+    """The line ``site.py`` runs at every start of every interpreter of the environment: with the switch off (unset,
+    empty, ``0``) it imports nothing and changes nothing; on, where the package cannot be imported, it says so and
+    does not raise (a ``.pth`` line that raises prints a traceback at every start). The copy installed in this
+    interpreter's site-packages, if any, is this one."""
+    text = open(os.path.join(REPO, switch.PTH)).read()
+    lines = [x for x in text.splitlines() if x and not x.startswith("#")]
+    assert len(lines) == 1 and lines[0].startswith("import "), lines
+    installed = switch.pth_file()
+    if installed is not None:
+        assert open(installed).read() == text, f"{installed} is not {switch.PTH} of this tree: pip install -e . again"
+    for value in (None, "", "0", "off"):
+        if value is None:
+            monkeypatch.delenv(switch.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(switch.ENV_VAR, value)
+        before = (set(sys.modules), list(sys.path), list(sys.meta_path), dict(os.environ))
+        exec(lines[0], {})
+        assert (set(sys.modules), list(sys.path), list(sys.meta_path), dict(os.environ)) == before, value
+    monkeypatch.setenv(switch.ENV_VAR, "1")
+    monkeypatch.setitem(sys.modules, "monai_cache", None)  # import monai_cache raises ImportError
+    exec(lines[0], {})
+    assert not switch.installed()
+    err = capsys.readouterr().err
+    said = f"monai_cache switch: not turned on in this process ({sys.executable}) by {switch.PTH}: "
+    assert err.startswith(said), err
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
 """Turns the monai_cache switch on at interpreter start-up, then runs the ``sitecustomize`` it shadows.
 
 ``monai-cache run`` (and ``monai_cache.install()``, for its children) put this directory on ``PYTHONPATH`` and set
-``MONAI_CACHE_SWITCH``. Only :mod:`monai_cache.switch` is imported here (no torch, no MONAI): it patches when the
-process imports MONAI, if ever. Errors never stop the interpreter: the process runs without the switch.
+``MONAI_CACHE_SWITCH``. Where the package is installed, ``monai_cache_switch.pth`` in site-packages turned the switch on
+already, before any ``sitecustomize``: this one then only runs the one it shadows. It is what turns the switch on in an
+interpreter that finds the package on ``PYTHONPATH`` only. Only :mod:`monai_cache.switch` is imported here (no torch, no
+MONAI): it patches when the process imports MONAI, if ever. Errors never stop the interpreter: the process runs without
+the switch.
 
 Having run, this module is also ``sys.modules[NAME]``: ``usercustomize.py`` beside it, which Python imports next,
 then knows that it ran (else a ``sitecustomize`` earlier on the path took its place), and uses its functions.
@@ -20,6 +23,9 @@ def _switch_on(shadowed_by: str | None = None) -> None:
     """Turn the switch on if ``MONAI_CACHE_SWITCH`` asks for it; ``shadowed_by``: the ``sitecustomize`` that ran in
     this one's place (said on standard error)."""
     if os.environ.get("MONAI_CACHE_SWITCH", "").strip().lower() in ("", "0", "false", "off", "no"):
+        return
+    done = sys.modules.get("monai_cache.switch")
+    if done is not None and done.installed():  # monai_cache_switch.pth turned it on, before any sitecustomize
         return
     if shadowed_by is not None:
         here = os.path.dirname(os.path.abspath(__file__))

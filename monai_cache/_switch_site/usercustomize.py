@@ -1,10 +1,12 @@
 """Turns the monai_cache switch on where a ``sitecustomize`` earlier on the path ran in place of ours, then runs the
 ``usercustomize`` it shadows.
 
-A launcher that puts a directory of its own before ours on ``PYTHONPATH``, with a ``sitecustomize.py`` that does not
-run the next one, would leave the switch off without a word. Python imports ``usercustomize`` right after
-``sitecustomize`` where the user site is on (not in a virtual environment made without the system's site packages,
-nor under ``python -s`` or ``PYTHONNOUSERSITE``): this one then turns the switch on, and says so on standard error.
+A launcher that puts a directory of its own before ours on ``PYTHONPATH``, with a ``sitecustomize.py`` that does not run
+the next one, would leave the switch off without a word where the package is not installed (installed, its
+``monai_cache_switch.pth`` turned the switch on before any ``sitecustomize``, and this one says nothing). Python imports
+``usercustomize`` right after ``sitecustomize`` where the user site is on (not in a virtual environment made without the
+system's site packages, nor under ``python -s`` or ``PYTHONNOUSERSITE``): this one then turns the switch on, and says so
+on standard error.
 """
 
 from __future__ import annotations
