@@ -57,7 +57,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         return [sys.executable, "-m", bench_dir.name, name, *args]
 
     cache = suite("cache", "--out", str(work / "cache"), "--no-progress")
-    persistent = suite("persistent", "--json", str(work / "persistent.json"))
+    persistent = suite("persistent", "--out", str(work / "persistent"))
     sampler = suite("sampler")
     scale = suite("scale", "--out", str(work / "scale"))
     warm = suite("warm", "--out", str(work / "warm"))
@@ -414,15 +414,13 @@ def run(args: argparse.Namespace) -> int:
                 r["data"] = _read_json(work / "cache" / "cache.json")
                 md = work / "cache" / "cache.md"
                 r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-            elif name == "persistent":
-                r["data"] = _read_json(work / "persistent.json")
+            elif name in ("persistent", "scale"):  # harness.Report's files: <suite>.md as printed, <suite>.json
+                r["data"] = _read_json(work / name / f"{name}.json")
+                md = work / name / f"{name}.md"
+                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+                r["plot"] = work / "scale" / "bench_scale.png" if name == "scale" else None
             elif name in ("sampler", "restart") and rc == 0:
                 r["markdown"] = _demote_headings(_clean_output(output))
-            elif name == "scale":
-                r["data"] = _read_json(work / "scale" / "bench_scale.json")
-                md = work / "scale" / "report.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-                r["plot"] = work / "scale" / "bench_scale.png"
             elif name == "warm":  # harness.Report's files: warm.md as printed, warm.json
                 r["data"] = _read_json(work / "warm" / "warm.json")
                 md = work / "warm" / "warm.md"

@@ -53,11 +53,13 @@ _STUBS = {
         print("cache table")
     """,
     "persistent": """
-        import json, sys
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
         json.dump({"bytes": {"nii.gz": 100000, "monai": 400000, "ours_default": 90000,
                    "variants": [{"variant": "zstd-3", "bytes": 80000}]}},
-                  open(sys.argv[sys.argv.index("--json") + 1], "w"))
-        print("## Bytes on disk per item")
+                  open(os.path.join(out, "persistent.json"), "w"))
+        open(os.path.join(out, "persistent.md"), "w").write("### Bytes on disk per item\\n")
     """,
     "sampler": """
         print("# sampler benchmark")
@@ -69,8 +71,8 @@ _STUBS = {
         import json, os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        json.dump({"rows": [], "large": []}, open(os.path.join(out, "bench_scale.json"), "w"))
-        open(os.path.join(out, "report.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
+        json.dump({"rows": [], "large": []}, open(os.path.join(out, "scale.json"), "w"))
+        open(os.path.join(out, "scale.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
         import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
         plt.plot([1, 2]); plt.savefig(os.path.join(out, "bench_scale.png"))
     """,
