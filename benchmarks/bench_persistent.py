@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         data = make_data(os.path.join(root, "data"), items, shape)
         src = sum(os.path.getsize(v) for d in data for v in d.values()) / items
-        rep.line(harness.describe_machine(results["machine"]))
+        rep.machine(results["machine"])
         rep.line(f"{items} items of {shape} voxels ({DATA} data), {args.workers} DataLoader workers, {repeats} repeats")
 
         # ---- epochs

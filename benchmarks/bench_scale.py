@@ -569,7 +569,7 @@ def main() -> None:
     timeout = args.timeout or (120 if args.quick else 1200)
     rep = harness.Report("scale")
     machine = harness.machine_info()
-    rep.line(harness.describe_machine(machine))
+    rep.machine(machine)
     rep.line(f"{args.ranks} ranks x {args.workers} DataLoader workers; {', '.join(f'{n:,}' for n in sizes)} items of "
              f"64x64 float32 (16 KiB); " + (f"a {large_mb} MiB item" if large_mb else "no large item"))
     shm_dir = f"/dev/shm/bench-scale-{uuid.uuid4().hex[:8]}"

@@ -58,7 +58,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
 
     cache = suite("cache", "--out", str(work / "cache"), "--no-progress")
     persistent = suite("persistent", "--out", str(work / "persistent"))
-    sampler = suite("sampler")
+    sampler = suite("sampler", "--out", str(work / "sampler"))
     scale = suite("scale", "--out", str(work / "scale"))
     warm = suite("warm", "--out", str(work / "warm"))
     if quick:
@@ -77,7 +77,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         scale += ["--quick"]
     smartcache = suite("smartcache", "--out", str(work / "smartcache"))
     tiers = suite("tiers", "--out", str(work / "tiers"))
-    restart = suite("restart")
+    restart = suite("restart", "--out", str(work / "restart"))
     switch = suite("switch", "--out", str(work / "switch"))
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
@@ -343,17 +343,6 @@ def _clean_output(text: str) -> str:
     return "\n".join(lines).strip()
 
 
-def _demote_headings(text: str) -> str:
-    """Markdown output of a script, its headings moved below the report's (``#`` -> ``###``)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            line = "#" * min(6, level + 2) + line[level:]
-        out.append(line)
-    return "\n".join(out)
-
-
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m benchmarks report``."""
@@ -410,24 +399,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n=== {name}: {' '.join(cmds[name])}", file=sys.stderr if args.json else sys.stdout, flush=True)
             rc, output, seconds = run_benchmark(cmds[name], echo=not args.json, cwd=bench_dir.parent)
             r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
-            if name == "cache":
-                r["data"] = _read_json(work / "cache" / "cache.json")
-                md = work / "cache" / "cache.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-            elif name in ("persistent", "scale"):  # harness.Report's files: <suite>.md as printed, <suite>.json
-                r["data"] = _read_json(work / name / f"{name}.json")
-                md = work / name / f"{name}.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-                r["plot"] = work / "scale" / "bench_scale.png" if name == "scale" else None
-            elif name in ("sampler", "restart") and rc == 0:
-                r["markdown"] = _demote_headings(_clean_output(output))
-            elif name == "warm":  # harness.Report's files: warm.md as printed, warm.json
-                r["data"] = _read_json(work / "warm" / "warm.json")
-                md = work / "warm" / "warm.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-            elif name in ("smartcache", "tiers", "switch"):
-                md = work / name / f"bench_{name}.md"
-                r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
+            # every suite saves harness.Report's files: <suite>.md (what it printed) and <suite>.json
+            r["data"] = _read_json(work / name / f"{name}.json")
+            md = work / name / f"{name}.md"
+            r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+            if name == "scale":
+                r["plot"] = work / "scale" / "bench_scale.png"
             if rc != 0:
                 failed.append(name)
                 print(f"report.py: {name} failed with exit status {rc}", file=sys.stderr)

@@ -62,10 +62,10 @@ _STUBS = {
         open(os.path.join(out, "persistent.md"), "w").write("### Bytes on disk per item\\n")
     """,
     "sampler": """
-        print("# sampler benchmark")
-        print("| kind | hit rate |")
-        print("|---|---|")
-        print("| ours | 100% |")
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, "sampler.md"), "w").write("### sampler benchmark\\n\\n| kind | hit rate |\\n")
     """,
     "scale": """
         import json, os, sys
@@ -80,26 +80,27 @@ _STUBS = {
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, "bench_smartcache.md"), "w").write("| smart | epoch |\\n|---|---:|\\n| ours | 1 |\\n")
+        open(os.path.join(out, "smartcache.md"), "w").write("| smart | epoch |\\n|---|---:|\\n| ours | 1 |\\n")
     """,
     "tiers": """
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, "bench_tiers.md"), "w").write("# restart\\n\\n| tier | first batch |\\n")
+        open(os.path.join(out, "tiers.md"), "w").write("### restart\\n\\n| tier | first batch |\\n")
     """,
     "restart": """
-        print("# 8 volumes")
-        print("| | crash -> first batch after the restart, s |")
-        print("|---|---:|")
-        print("| monai_cache | 2.00 |")
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        table = "8 volumes\\n| | crash -> first batch after the restart, s |\\n|---|---:|\\n| monai_cache | 2.00 |\\n"
+        open(os.path.join(out, "restart.md"), "w").write(table)
     """,
     "switch": """
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
         table = "| | stock | switch |\\n|---|---:|---:|\\n| warm | 1 |\\n"
-        open(os.path.join(out, "bench_switch.md"), "w").write(table)
+        open(os.path.join(out, "switch.md"), "w").write(table)
     """,
     "warm": """
         import os, sys
