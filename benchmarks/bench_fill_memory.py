@@ -144,7 +144,7 @@ def main() -> None:
             ratio = "" if config != "monai-cache" else f"{copies[config] / copies['monai']:.2f}x"
             rows.append([str(world), config, f"{uss / 2**20:.0f}", f"{shm / 2**20:.0f}",
                          f"{(uss - base + shm) / 2**20:.0f}", f"{copies[config]:.2f}", ratio])
-    rep.table(rows, left=0)
+    rep.table(rows, left=2)
     if args.out:
         rep.save(args.out, {"machine": machine, "runs": {f"{w} {c}": runs for (w, c), runs in results.items()}})
 

@@ -228,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from monai_cache.synthetic import make_dataset
 
     machine = harness.machine_info()
+    rep = harness.Report("smartcache")
+    rep.machine(machine)
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="monai-cache-bench-smartcache-")
     records = []
@@ -236,13 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for config in CONFIGS if repeat % 2 == 0 else CONFIGS[::-1]:  # alternate: drift spreads over both
                 records.append(run_config(config, args, data, work))
-                print(f"  {config}: epochs {', '.join(f'{s:.2f}' for s in records[-1]['epoch_s'])} s", file=sys.stderr,
-                      flush=True)
+                rep.line(f"  {config}: epochs {', '.join(f'{s:.2f}' for s in records[-1]['epoch_s'])} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(records)
-    rep = harness.Report("smartcache")
-    rep.machine(machine, at_end=True)
+    machine["loadavg_end"] = list(os.getloadavg())
     rep.line(
         f"{args.items} volumes of {'x'.join(map(str, args.shape))}, cache_num {args.cache_num}, replace_rate "
         f"{args.replace_rate}, {args.ranks} ranks x {args.workers} DataLoader workers, {args.epochs} epochs, median of "

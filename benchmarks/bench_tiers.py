@@ -155,8 +155,10 @@ def run_config(spec: dict[str, Any], run_dir: str, shm_dir: str, ranks: int) -> 
     }
 
 
-def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work: str) -> dict[str, Any]:
-    """Every question's configurations, ``args.repeats`` times, interleaved; ``{question: {config: [runs]}}``."""
+def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work: str,
+            rep: harness.Report) -> dict[str, Any]:
+    """Every question's configurations, ``args.repeats`` times, interleaved, each run's line printed through ``rep``
+    as it ends; ``{question: {config: [runs]}}``."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {q: {c: [] for c in QUESTIONS[q]} for q in args.questions}
     base = os.environ.get("MONAI_CACHE_SHM_DIR") or "/dev/shm"
     for repeat in range(args.repeats):
@@ -180,9 +182,8 @@ def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work:
                 finally:
                     shutil.rmtree(shm_dir, ignore_errors=True)
                 runs[question][config].append(result)
-                print(f"  repeat {repeat + 1}/{args.repeats} {question:10s} {config:13s} first batch "
-                      f"{result['first_batch_s']:.2f} s, warm epoch {result['warm_epoch_s']:.2f} s", file=sys.stderr,
-                      flush=True)
+                rep.line(f"  repeat {repeat + 1}/{args.repeats} {question:10s} {config:13s} first batch "
+                         f"{result['first_batch_s']:.2f} s, warm epoch {result['warm_epoch_s']:.2f} s")
     return runs
 
 
@@ -259,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.line(f"{items} volumes of {'x'.join(map(str, shape))}, {args.ranks} ranks x {args.workers} worker(s), batch "
              f"{args.batch_size}, {args.epochs} epochs (warm: 2..{args.epochs}), median of {args.repeats}; ratios "
              f"against `{BASELINE}` in the same run")
-    runs = run_all(args, data_list, crop, args.out)
+    runs = run_all(args, data_list, crop, args.out, rep)
     titles = {"persistent": "PersistentDataset with and without the shared-memory tier",
               "restart": "CacheDataset(cache_dir=...): a restart against a cold start"}
     for question, by_config in runs.items():
