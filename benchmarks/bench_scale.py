@@ -501,7 +501,10 @@ def targets(rows: list[dict], large: list[dict], budget: dict) -> list[tuple[boo
     if disk:
         over = [r["disk_overhead"] for r in disk]
         checks.append((max(over) <= MAX_OVERHEAD, f"overhead per 16 KiB entry <= {MAX_OVERHEAD:.0%}, disk: "
-                       f"{min(over):.1%}-{max(over):.1%} ({max(r['disk_files'] for r in disk)} files at most)"))
+                       f"{min(over):.1%}-{max(over):.1%}"))  # fmt: skip
+        files = {r["n"]: r["disk_files"] for r in disk}
+        checks.append((max(files.values()) < min(files) / 100, "no file per small item on disk (packed): "
+                       + ", ".join(f"{f:,} files at {n:,} items" for n, f in sorted(files.items()))))  # fmt: skip
     for r in large:
         name = f"{r['size_mb']} MiB {r['mode']}"
         if "error" in r:
