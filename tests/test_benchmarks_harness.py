@@ -124,6 +124,23 @@ def test_one_entry_point_runs_every_suite(capsys):
     assert entry.main(["no-such-suite"]) == 2
 
 
+def test_every_suite_prints_through_the_report(capsys, monkeypatch):
+    """One report format: every suite saves what it printed with ``--out`` (harness.Report; the report suite writes
+    docs/benchmarks.md from theirs), and none keeps a copy of the harness's helpers."""
+    entry = importlib.import_module("benchmarks.__main__")
+    for suite, (module, _what) in entry.SUITES.items():
+        monkeypatch.setattr(sys, "argv", [module, "--help"])
+        with pytest.raises(SystemExit) as exited:
+            importlib.import_module(module).main()
+        shown = capsys.readouterr().out
+        assert exited.value.code == 0 and ("--out" in shown or module == "report"), suite  # report: --docs-dir
+        with open(os.path.join(BENCHMARKS, f"{module}.py")) as f:
+            source = f.read()
+        assert "harness.Report(" in source or module == "report", suite
+        for copy in ("def median(", "def free_port(", "def _free_port(", "def cpu_seconds(", "statistics.median("):
+            assert copy not in source, (suite, copy)
+
+
 def test_report_saves_what_it_printed(tmp_path, capsys):
     """The suites' one report format: each block as printed, in a fenced block under its heading, and the data."""
     rep = harness.Report("demo")
