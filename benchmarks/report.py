@@ -6,7 +6,7 @@ It runs each suite through the one entry point (``python -m benchmarks <suite>``
 repository's root): ``cache`` (CacheDataset: time to first batch, epoch times, memory of all processes),
 ``persistent`` (PersistentDataset: bytes on disk, cold and warm epochs), ``sampler`` (ShardedDistributedSampler: hit
 rate, epoch time), ``scale`` (many small items; ``--quick``: 2,000 items, the full mode that suite's ``--quick``
-sizes; its 100,000-item run is run by hand, see docs/scale.md), ``warm`` (every epoch of MONAI, ours with MONAI's
+sizes; its full sizes, run by hand, see docs/scale.md), ``warm`` (every epoch of MONAI, ours with MONAI's
 DataLoader and ours with ours, volumes and small items; ``--quick``: one setting of that suite's ``--quick`` mode),
 ``smartcache`` (SmartCacheDataset, 2 ranks), ``tiers`` (PersistentDataset with and without the shared-memory tier; a
 restart of ``CacheDataset(cache_dir=...)``), ``restart`` (a rank's crash under ``torchrun --max-restarts=1``) and
