@@ -2,8 +2,10 @@
 
 Each suite runs stock MONAI and monai_cache side by side in the same run and prints ratios against MONAI measured
 there; ``python -m benchmarks <suite> --help`` lists a suite's options, ``python -m benchmarks`` the suites. They
-share :mod:`harness` (ranks started as torchrun starts them, CPU and memory of process trees). Each suite is also a
-script of its own (``python benchmarks/<module>.py``), which is how the suites start their ranks.
+share :mod:`harness` (ranks started as torchrun starts them, CPU and memory of process trees) and print through its
+one report format (``harness.Report``: ``--out DIR`` saves what was printed as ``DIR/<suite>.md`` and the
+measurements as ``DIR/<suite>.json``). Each suite is also a script of its own (``python benchmarks/<module>.py``),
+which is how the suites start their ranks.
 """
 
 from __future__ import annotations

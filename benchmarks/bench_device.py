@@ -18,6 +18,8 @@ Usage::
 
     python -m benchmarks device               # 16 volumes of 96x96x64, crops 64x64x32, 5 epochs, 3 repeats
     python -m benchmarks device --quick       # 8 volumes of 64x64x48, 3 epochs, 2 repeats
+
+``--out``: ``device.md`` (what was printed) and ``device.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default=None, help="default: cuda:0 if there is one, else cpu")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="write device.md (what was printed) and device.json here")
     args = parser.parse_args()
     if args.quick:
         args.items, args.shape, args.crop, args.epochs, args.repeats = 8, (64, 64, 48), (32, 32, 16), 3, 2
@@ -89,6 +91,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    machine = harness.machine_info()
     work = tempfile.mkdtemp(prefix="bench-device-")
     shm_dir = f"/dev/shm/bench-device-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm_dir)
@@ -112,11 +115,12 @@ def main() -> None:
     if device.startswith("cuda"):
         rows.append(("warm peak device memory (MiB)", "peak"))
     ours_note = "" if device.startswith("cuda") else " (process_cache=True: the items end on the CPU)"
-    print(f"MONAI's fast-training recipe on {device}: {args.items} volumes {tuple(args.shape)}, crops "
-          f"{tuple(args.crop)}, ThreadDataLoader(num_workers=0), {args.epochs} epochs x {args.repeats} repeats, "
-          f"medians; ours{ours_note}")  # fmt: skip
-    print(f"| | {' | '.join(CONFIGS)} |")
-    print(f"|---|{'---:|' * len(CONFIGS)}")
+    rep = harness.Report("device")
+    rep.machine(machine, at_end=True)
+    rep.line(f"MONAI's fast-training recipe on {device}: {args.items} volumes {tuple(args.shape)}, crops "
+             f"{tuple(args.crop)}, ThreadDataLoader(num_workers=0), {args.epochs} epochs x {args.repeats} repeats, "
+             f"medians; ours{ours_note}")  # fmt: skip
+    table = [["", *CONFIGS]]
     for label, key in rows:
         base = med("monai", key)
         cells = []
@@ -127,8 +131,10 @@ def main() -> None:
             if config != "monai" and value is not None and base:
                 text += f" ({value / base:.2f}x)"
             cells.append(text)
-        print(f"| {label} | {' | '.join(cells)} |")
-    print(f"load average: {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}, torch {torch.__version__}")
+        table.append([label, *cells])
+    rep.table(table)
+    if args.out:
+        rep.save(args.out, {"machine": machine, "device": device, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Usage::
 
     python -m benchmarks fill-memory                # 24 volumes of 160x160x96, 3 repeats
     python -m benchmarks fill-memory --quick        # 8 volumes of 96x96x64, 2 repeats
+
+``--out``: ``fill-memory.md`` (what was printed) and ``fill-memory.json``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=3, default=(160, 160, 96))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="write fill-memory.md (what was printed) and .json here")
     args = parser.parse_args()
     if args.rank:
         rank_main(*args.rank)
@@ -95,6 +98,7 @@ def main() -> None:
         args.items, args.shape, args.repeats = 8, (96, 96, 64), 2
     from monai_cache.synthetic import make_dataset
 
+    machine = harness.machine_info()
     work = tempfile.mkdtemp(prefix="bench-fill-memory-")
     shm_dir = f"/dev/shm/bench-fill-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm_dir)
@@ -106,9 +110,8 @@ def main() -> None:
         with open(files_path, "w") as f:
             json.dump(files, f)
         for repeat in range(args.repeats):
-            order = CONFIGS[repeat % len(CONFIGS) :] + CONFIGS[: repeat % len(CONFIGS)]
             for world in (1, 2):
-                for config in order:
+                for config in harness.rotated(CONFIGS, repeat):
                     out = os.path.join(work, f"{config}-{world}-{repeat}")
                     os.makedirs(out)
                     harness.run_ranks([os.path.abspath(__file__), "--rank", config, files_path, out], world,
@@ -124,11 +127,12 @@ def main() -> None:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
     one_copy = harness.median([r["one_copy"] for runs in results.values() for r in runs if r["one_copy"]]) or 1
-    print(f"Node memory after the eager fill: {args.items} volumes of {tuple(args.shape)}, the tutorial chain; one "
-          f"copy of the cached data = {one_copy / 2**20:.0f} MiB; medians of {args.repeats} repeats")  # fmt: skip
-    print("| ranks | configuration | USS of the ranks (MiB) | shared memory (MiB) | above uncached (MiB) | "
-          "cache copies on the node | vs MONAI |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    rep = harness.Report("fill-memory")
+    rep.machine(machine, at_end=True)
+    rep.line(f"Node memory after the eager fill: {args.items} volumes of {tuple(args.shape)}, the tutorial chain; one "
+             f"copy of the cached data = {one_copy / 2**20:.0f} MiB; medians of {args.repeats} repeats")  # fmt: skip
+    rows = [["ranks", "configuration", "USS of the ranks (MiB)", "shared memory (MiB)", "above uncached (MiB)",
+             "cache copies on the node", "vs MONAI"]]
     for world in (1, 2):
         base = harness.median([r["uss"] for r in results[(world, "monai-dataset")]]) or 0
         copies: dict[str, float] = {}
@@ -138,9 +142,11 @@ def main() -> None:
             shm = harness.median([r["shm"] for r in runs]) or 0
             copies[config] = (uss - base + shm) / one_copy
             ratio = "" if config != "monai-cache" else f"{copies[config] / copies['monai']:.2f}x"
-            print(f"| {world} | {config} | {uss / 2**20:.0f} | {shm / 2**20:.0f} | {(uss - base + shm) / 2**20:.0f} | "
-                  f"{copies[config]:.2f} | {ratio} |")
-    print(f"load average: {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}")
+            rows.append([str(world), config, f"{uss / 2**20:.0f}", f"{shm / 2**20:.0f}",
+                         f"{(uss - base + shm) / 2**20:.0f}", f"{copies[config]:.2f}", ratio])
+    rep.table(rows, left=2)
+    if args.out:
+        rep.save(args.out, {"machine": machine, "runs": {f"{w} {c}": runs for (w, c), runs in results.items()}})
 
 
 if __name__ == "__main__":

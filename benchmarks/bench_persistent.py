@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +44,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+import harness  # noqa: E402  # the benchmarks' shared helpers (its neighbour here)
 from monai.data import DataLoader, Dataset  # noqa: E402
 from monai.data import PersistentDataset as MonaiPersistentDataset  # noqa: E402
 from monai.transforms import (  # noqa: E402
@@ -63,6 +62,7 @@ from monai_cache.persistent import DEFAULT_COMPRESSION_LEVEL, PersistentDataset 
 from monai_cache.synthetic import crop_size_for, make_dataset, tutorial_transforms  # noqa: E402
 
 KEYS = ("image", "label")
+COLD_MAX = 1.03  # the target: a cold epoch at most this times an uncached one (median of per-repeat ratios)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -122,19 +122,14 @@ def make_chain(crop: tuple[int, int, int]) -> Compose:
 
 
 # ------------------------------------------------------------------------------------------- timing
-def cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def run_epoch(ds: Any, workers: int) -> tuple[float, float]:
     """Wall and CPU seconds of one epoch (workers are started and joined inside: their CPU is counted)."""
     loader = DataLoader(ds, batch_size=2, num_workers=workers, shuffle=False, persistent_workers=False)
-    c0, t0 = cpu_seconds(), time.perf_counter()
+    c0, t0 = harness.own_cpu_seconds(), time.perf_counter()
     for _ in loader:
         pass
     del loader
-    return time.perf_counter() - t0, cpu_seconds() - c0
+    return time.perf_counter() - t0, harness.own_cpu_seconds() - c0
 
 
 def evict(directory: str) -> None:
@@ -176,11 +171,11 @@ def measure_epochs(data: list, crop: tuple, workers: int, repeats: int, root: st
             for name, cls, d in pair if r % 2 == 0 else pair[::-1]:
                 evict(d)
                 t[f"{name}_warm_evicted"].append(run_epoch(cls(data, make_chain(crop), d), workers))
-    out = {k: {"wall": med([w for w, _ in v]), "cpu": med([c for _, c in v])} for k, v in t.items()}
+    out = {k: {"wall": harness.median(w for w, _ in v), "cpu": harness.median(c for _, c in v)} for k, v in t.items()}
     # Paired ratios: each repeat ran every cold variant back to back, so the ratio within a repeat cancels the
     # slow drifts of a shared machine; their median is the steadier figure for a target of a few percent.
     out["paired"] = {  # type: ignore[assignment]
-        f"{a}/{b}": med([x[0] / y[0] for x, y in zip(t[a], t[b])])
+        f"{a}/{b}": harness.median([x[0] / y[0] for x, y in zip(t[a], t[b])])
         for a, b in (("ours_cold", "uncached"), ("monai_cold", "uncached"), ("ours_cold", "ours_nocache"),
                      ("ours_cold", "monai_cold"))
     }
@@ -196,14 +191,6 @@ def dir_bytes(path: str, suffix: str) -> int:
     return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(suffixes))
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def fmt_mb(n: float) -> str:
-    return f"{n / 1e6:8.3f} MB"
-
-
 # --------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     ap.add_argument("--delay", type=float, default=0.25, help="artificial delay per file write, 'slow store' (s)")
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--out", help="write persistent.md (what was printed) and persistent.json here")
     ap.add_argument(
         "--no-spare-core", action="store_true", help="skip the cold epochs with one worker fewer than CPUs"
     )
@@ -235,9 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
     levels = [-5, -1, 1, 3, 6] if args.quick else [-10, -5, -3, -1, 1, 2, 3, 6]
 
     root = tempfile.mkdtemp(prefix="bench_persistent_")
+    rep = harness.Report("persistent")
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}",
+        "machine": harness.machine_info(),
         "shape": shape,
         "items": items,
         "repeats": repeats,
@@ -247,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         data = make_data(os.path.join(root, "data"), items, shape)
         src = sum(os.path.getsize(v) for d in data for v in d.values()) / items
-        print(f"# {items} items of {shape} voxels ({DATA} data), {args.workers} DataLoader workers, {repeats} repeats")
-        print(f"# {results['machine']}; load average at start {os.getloadavg()[0]:.1f}")
+        rep.machine(results["machine"])
+        rep.line(f"{items} items of {shape} voxels ({DATA} data), {args.workers} DataLoader workers, {repeats} repeats")
 
         # ---- epochs
         run_epoch(Dataset(data[:2], make_chain(crop)), args.workers)  # warm-up: page cache, lazy imports
@@ -284,14 +272,14 @@ def main(argv: list[str] | None = None) -> dict:
                 store.write(f"k{i}", item)
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.process_time() - c0)
-            w_wall, w_cpu = med(walls), med(cpus)
+            w_wall, w_cpu = harness.median(walls), harness.median(cpus)
             rounds = []
             for _ in range(5):
                 t0 = time.perf_counter()
                 for i in range(items):
                     store.get(f"k{i}")
                 rounds.append((time.perf_counter() - t0) / items)
-            r_wall = med(rounds)
+            r_wall = harness.median(rounds)
             st = store.stats()["process"]
             # zstd alone, best of 5 per item (robust to other load on a shared machine)
             zc = zd = 0.0
@@ -336,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
             for p in pts:
                 torch.load(p, weights_only=True)
             rounds.append((time.perf_counter() - t0) / len(pts))
-        results["monai_read_s"] = med(rounds)
+        results["monai_read_s"] = harness.median(rounds)
 
         # checksum speed (why CRC-32): over one default-level payload and one uncompressed blob
         blob = bytes(codec.encode(pre[0], downcast=True).to_bytes())
@@ -367,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
                     ds[i]
                     times.append(time.perf_counter() - t0)
                 ds.flush()
-                slow_rows.append({"delay": delay, "async": async_writes, "miss_s": med(times)})
+                slow_rows.append({"delay": delay, "async": async_writes, "miss_s": harness.median(times)})
             disk_writer.write_record = original  # type: ignore[assignment]
         results["slow_store"] = slow_rows
         torch.set_num_threads(os.cpu_count() or 1)
@@ -375,104 +363,100 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
         else:
-            print("kept", root)
+            print("kept", root, file=sys.stderr)
 
     results["loadavg_end"] = os.getloadavg()
-    report(results)
-    print(f"(load average at the end: {results['loadavg_end'][0]:.1f} / {results['loadavg_end'][1]:.1f} / "
-          f"{results['loadavg_end'][2]:.1f} for 1 / 5 / 15 min, on {os.cpu_count()} CPUs)")
+    report(results, rep)
+    if args.out:
+        rep.save(args.out, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return results
 
 
-def print_epochs(e: dict, repeats: int, note: str = "") -> None:
-    print(f"\n## Epochs ({e['workers']} DataLoader workers{'; ' + note if note else ''}; medians of {repeats})")
-    print(f"{'':30s} {'wall s':>8s} {'CPU s':>8s} {'wall / uncached':>16s} {'wall / MONAI':>13s}")
-    rows = [
-        ("uncached monai Dataset", "uncached", None),
-        ("ours, cache_dir=None", "ours_nocache", None),
-        ("MONAI cold (1st epoch)", "monai_cold", "monai_cold"),
-        ("ours cold (1st epoch)", "ours_cold", "monai_cold"),
-        ("MONAI warm", "monai_warm", "monai_warm"),
-        ("ours warm", "ours_warm", "monai_warm"),
-        ("MONAI warm, files not cached", "monai_warm_evicted", "monai_warm_evicted"),
-        ("ours warm, files not cached", "ours_warm_evicted", "monai_warm_evicted"),
-    ]
-    for label, k, ref in rows:
-        if k not in e:
-            continue
-        r = f"{e[k]['wall'] / e[ref]['wall']:13.2f}" if ref else f"{'':13s}"
-        print(f"{label:30s} {e[k]['wall']:8.2f} {e[k]['cpu']:8.2f} {e[k]['wall'] / e['uncached']['wall']:16.2f} {r}")
+EPOCH_ROWS = (  # label, key, reference of "wall / MONAI"
+    ("uncached monai Dataset", "uncached", None),
+    ("ours, cache_dir=None", "ours_nocache", None),
+    ("MONAI cold (1st epoch)", "monai_cold", "monai_cold"),
+    ("ours cold (1st epoch)", "ours_cold", "monai_cold"),
+    ("MONAI warm", "monai_warm", "monai_warm"),
+    ("ours warm", "ours_warm", "monai_warm"),
+    ("MONAI warm, files not cached", "monai_warm_evicted", "monai_warm_evicted"),
+    ("ours warm, files not cached", "ours_warm_evicted", "monai_warm_evicted"),
+)
 
 
-def report(res: dict) -> None:
+def epochs_table(rep: harness.Report, e: dict, repeats: int, note: str = "") -> None:
+    rep.heading(f"Epochs ({e['workers']} DataLoader workers{'; ' + note if note else ''}; medians of {repeats})")
+    rows = [["epoch", "wall s", "CPU s", "wall / uncached", "wall / MONAI"]]
+    for label, k, ref in EPOCH_ROWS:
+        if k in e:
+            vs_monai = f"{e[k]['wall'] / e[ref]['wall']:.2f}" if ref else ""
+            wall, cpu, uncached = e[k]["wall"], e[k]["cpu"], e["uncached"]["wall"]
+            rows.append([label, f"{wall:.2f}", f"{cpu:.2f}", f"{wall / uncached:.2f}", vs_monai])
+    rep.table(rows)
+
+
+def report(res: dict, rep: harness.Report) -> None:
     b = res["bytes"]
     e = res["epochs"]
-    print("\n## Bytes on disk per item")
-    head = f"{'':34s} {'bytes':>12s} {'x .nii.gz':>10s} {'x MONAI':>8s}"
-    print(f"{head} {'write/item':>11s} {'read/item':>10s} {'read GB/s':>9s} {'zstd c/d (best)':>16s}")
-    print(f"{'.nii.gz sources':34s} {fmt_mb(b['nii.gz'])} {1:10.2f} {b['nii.gz'] / b['monai']:8.3f}")
-    print(
-        f"{'MONAI torch.save':34s} {fmt_mb(b['monai'])} {b['monai'] / b['nii.gz']:10.2f} {1:8.3f} {'':>11s} "
-        f"{res['monai_read_s'] * 1e3:8.1f}ms"
-    )
-    default = f"ours default (zstd {DEFAULT_COMPRESSION_LEVEL}, lossless)"
-    print(
-        f"{default:34s} {fmt_mb(b['ours_default'])} "
-        f"{b['ours_default'] / b['nii.gz']:10.2f} {b['ours_default'] / b['monai']:8.3f}"
-    )
+    rep.heading("Bytes on disk per item")
+    rows = [["stored as", "MB/item", "x .nii.gz", "x MONAI", "write/item", "read/item", "read GB/s", "zstd c/d (best)"]]
+    rows.append([".nii.gz sources", f"{b['nii.gz'] / 1e6:.3f}", "1.00", f"{b['nii.gz'] / b['monai']:.3f}", "", "", "",
+                 ""])  # fmt: skip
+    rows.append(["MONAI torch.save", f"{b['monai'] / 1e6:.3f}", f"{b['monai'] / b['nii.gz']:.2f}", "1.000", "",
+                 f"{res['monai_read_s'] * 1e3:.1f} ms", "", ""])  # fmt: skip
+    rows.append([f"ours default (zstd {DEFAULT_COMPRESSION_LEVEL}, lossless)", f"{b['ours_default'] / 1e6:.3f}",
+                 f"{b['ours_default'] / b['nii.gz']:.2f}", f"{b['ours_default'] / b['monai']:.3f}", "", "", "", ""])
     for v in b["variants"]:
         zc, zd = v["zstd_compress_s"] * 1e3, v["zstd_decompress_s"] * 1e3
-        zstd_cd = f"{zc:6.1f}/{zd:4.1f}ms" if zc else ""
-        print(
-            f"{'  ' + v['variant']:34s} {fmt_mb(v['bytes'])} {v['bytes'] / b['nii.gz']:10.2f} "
-            f"{v['bytes'] / b['monai']:8.3f} {v['write_s'] * 1e3:9.1f}ms {v['read_s'] * 1e3:8.1f}ms "
-            f"{v['read_GBps']:9.2f} {zstd_cd:>16s}"
-        )
-    print(
-        "(write: encode + downcast + compress + write, one thread; read: read + check + decompress + decode, "
-        "page cache warm; GB/s of in-memory item bytes; zstd c/d: compression / decompression alone, best of 5)"
-    )
+        rows.append([
+            "  " + v["variant"], f"{v['bytes'] / 1e6:.3f}", f"{v['bytes'] / b['nii.gz']:.2f}",
+            f"{v['bytes'] / b['monai']:.3f}", f"{v['write_s'] * 1e3:.1f} ms", f"{v['read_s'] * 1e3:.1f} ms",
+            f"{v['read_GBps']:.2f}", f"{zc:.1f} / {zd:.1f} ms" if zc else "",
+        ])  # fmt: skip
+    rep.table(rows)
     speeds = ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["checksum_GBps"].items())
-    print(f"checksums over an uncompressed blob: {speeds}")
+    rep.line(
+        "write: encode + downcast + compress + write, one thread; read: read + check + decompress + decode, page cache "
+        "warm; GB/s of in-memory item bytes; zstd c/d: compression / decompression alone, best of 5.\n"
+        f"Checksums over an uncompressed blob: {speeds}."
+    )
 
-    print_epochs(e, res["repeats"])
+    epochs_table(rep, e, res["repeats"])
     if "epochs_spare_core" in res:
-        print_epochs(res["epochs_spare_core"], res["repeats"], "one CPU left free for the writer threads")
+        epochs_table(rep, res["epochs_spare_core"], res["repeats"], "one CPU left free for the writer threads")
 
-    print("\n## Slow store: median time of a cache miss in __getitem__ (main process)")
-    print(f"{'write delay':>12s} {'async':>10s} {'sync':>10s}")
+    rep.heading("Slow store: median time of a cache miss in __getitem__ (main process)")
+    rows = [["write delay", "async", "sync"]]
     for delay in sorted({r["delay"] for r in res["slow_store"]}):
         a = next(r for r in res["slow_store"] if r["delay"] == delay and r["async"])
         s = next(r for r in res["slow_store"] if r["delay"] == delay and not r["async"])
-        print(f"{delay:11.2f}s {a['miss_s']:9.3f}s {s['miss_s']:9.3f}s")
+        rows.append([f"{delay:.2f} s", f"{a['miss_s']:.3f} s", f"{s['miss_s']:.3f} s"])
+    rep.table(rows, left=0)
 
-    print("\n## Targets")
-    print(
-        f"bytes, lossless default <= .nii.gz:      {b['ours_default'] / b['nii.gz']:.2f}x sources, "
-        f"{b['ours_default'] / b['monai']:.3f}x MONAI (target ~0.12x)"
-    )
+    rep.heading("Targets")
+    checks = [(b["ours_default"] <= b["nii.gz"],
+               f"bytes, lossless default <= .nii.gz sources: {b['ours_default'] / b['nii.gz']:.2f}x the sources, "
+               f"{b['ours_default'] / b['monai']:.3f}x MONAI's cache (about 0.12x)")]  # fmt: skip
     for key in ("epochs", "epochs_spare_core"):
         if key in res:
             x = res[key]
             pr = x["paired"]
-            print(
-                f"cold epoch <= 1.03x uncached ({x['workers']} workers): "
-                f"{x['ours_cold']['wall'] / x['uncached']['wall']:.2f}x "
-                f"(MONAI cold: {x['monai_cold']['wall'] / x['uncached']['wall']:.2f}x); "
-                f"{x['ours_cold']['wall'] / x['ours_nocache']['wall']:.2f}x ours with cache_dir=None (same outputs)"
-            )
-            print(
-                f"  median of per-repeat ratios: {pr['ours_cold/uncached']:.3f}x uncached "
-                f"(MONAI cold: {pr['monai_cold/uncached']:.3f}x); {pr['ours_cold/ours_nocache']:.3f}x ours with "
-                f"cache_dir=None; {pr['ours_cold/monai_cold']:.3f}x MONAI cold"
-            )
-    print(
-        f"warm epoch <= MONAI warm:                {e['ours_warm']['wall'] / e['monai_warm']['wall']:.2f}x "
-        f"(files not in the page cache: {e['ours_warm_evicted']['wall'] / e['monai_warm_evicted']['wall']:.2f}x)"
-    )
+            checks.append((pr["ours_cold/uncached"] <= COLD_MAX,
+                           f"cold epoch <= {COLD_MAX:.2f}x uncached ({x['workers']} workers), median of per-repeat "
+                           f"ratios: {pr['ours_cold/uncached']:.3f}x (MONAI cold: {pr['monai_cold/uncached']:.3f}x); "
+                           f"{pr['ours_cold/ours_nocache']:.3f}x ours with cache_dir=None (same outputs); "
+                           f"{pr['ours_cold/monai_cold']:.3f}x MONAI cold. Ratio of the medians: "
+                           f"{x['ours_cold']['wall'] / x['uncached']['wall']:.2f}x (MONAI cold: "
+                           f"{x['monai_cold']['wall'] / x['uncached']['wall']:.2f}x)"))  # fmt: skip
+    warm = e["ours_warm"]["wall"] / e["monai_warm"]["wall"]
+    checks.append((warm <= 1.0, f"warm epoch <= MONAI warm: {warm:.2f}x (files not in the page cache: "
+                   f"{e['ours_warm_evicted']['wall'] / e['monai_warm_evicted']['wall']:.2f}x)"))  # fmt: skip
+    rep.targets(checks)
+    end = res["loadavg_end"]
+    rep.line(f"Load average at the end: {end[0]:.1f} / {end[1]:.1f} / {end[2]:.1f} (1 / 5 / 15 min).")
 
 
 if __name__ == "__main__":

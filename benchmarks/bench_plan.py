@@ -17,6 +17,8 @@ Usage::
 
     python -m benchmarks plan                # 24 volumes of 160x160x96, 3 repeats
     python -m benchmarks plan --quick        # 12 volumes of 96x96x64, 2 repeats
+
+``--out``: ``plan.md`` (what was printed) and ``plan.json``.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=3, default=(160, 160, 96))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="write plan.md (what was printed) and plan.json here")
     args = parser.parse_args()
     if args.quick:
         args.items, args.shape, args.repeats = 12, (96, 96, 64), 2
@@ -106,6 +109,7 @@ def main() -> None:
     from monai_cache.synthetic import make_dataset
 
     torch.set_num_threads(1)
+    machine = harness.machine_info()
     work = tempfile.mkdtemp(prefix="bench-plan-")
     shm_dir = f"/dev/shm/bench-plan-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm_dir)
@@ -125,20 +129,25 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
 
-    print(f"monai-cache plan on {args.items} volumes of {tuple(args.shape)} (tutorial chain, crops {crop}), "
-          f"{args.repeats} repeats, medians; plan_dataset's defaults (8 items, 60 s at most)")  # fmt: skip
-    print("| dataset | plan wall s | plan CPU s | MONAI CacheDataset build s | plan / MONAI build | "
-          "shared-memory error | disk error | truth in the 95% band | projected by |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    rep = harness.Report("plan")
+    rep.machine(machine, at_end=True)
+    rep.line(f"monai-cache plan on {args.items} volumes of {tuple(args.shape)} (tutorial chain, crops {crop}), "
+             f"{args.repeats} repeats, medians; plan_dataset's defaults (8 items, 60 s at most); plan / MONAI build: "
+             "median of the per-repeat ratios")  # fmt: skip
+    rows = [["dataset", "plan wall s", "plan CPU s", "MONAI CacheDataset build s", "plan / MONAI build",
+             "shared-memory error", "disk error", "truth in the 95% band", "projected by"]]
     for name, runs in results.items():
         def med(key: str, runs: list[dict] = runs) -> float:
             return float(harness.median([r[key] for r in runs]) or 0.0)
 
-        ratio = med("plan_wall") / med("monai_build")
+        ratio = harness.median(harness.ratios([r["plan_wall"] for r in runs], [r["monai_build"] for r in runs]))
         inside = sum(r["memory_in_band"] for r in runs)
-        print(f"| {name} | {med('plan_wall'):.1f} | {med('plan_cpu'):.1f} | {med('monai_build'):.1f} | {ratio:.2f}x "
-              f"| {med('memory_error'):+.1%} | {med('disk_error'):+.1%} | {inside}/{len(runs)} | {runs[0]['model']} |")
-    print(f"load average: {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}, torch {torch.__version__}")
+        rows.append([name, f"{med('plan_wall'):.1f}", f"{med('plan_cpu'):.1f}", f"{med('monai_build'):.1f}",
+                     f"{ratio or 0:.2f}x", f"{med('memory_error'):+.1%}", f"{med('disk_error'):+.1%}",
+                     f"{inside}/{len(runs)}", runs[0]["model"]])  # fmt: skip
+    rep.table(rows)
+    if args.out:
+        rep.save(args.out, {"machine": machine, "runs": results})
 
 
 if __name__ == "__main__":

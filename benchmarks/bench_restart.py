@@ -1,7 +1,7 @@
 """Benchmark: a rank crashes mid-epoch under ``torchrun --max-restarts=1``; how long until training goes on?
 
-Run ``python -m benchmarks restart [--items 16] [--shape 128,128,80] [--repeats 2]``. Not a timed test; it
-prints a table.
+Run ``python -m benchmarks restart [--items 16] [--shape 128,128,80] [--repeats 2] [--out DIR]``. Not a timed
+test; it prints a table (``--out``: ``restart.md`` as printed and ``restart.json``).
 
 The same job, once with MONAI's ``CacheDataset`` (its default: every rank fills its own cache before the first
 batch) and ``DistributedSampler``, once with ``monai_cache.CacheDataset(runtime_cache=True)`` and
@@ -28,11 +28,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import harness  # the benchmarks' shared helpers (its neighbour here)
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import free_port, median  # noqa: E402
 
 CONFIGS = ("monai", "monai_cache")
 
@@ -116,7 +116,7 @@ def run_job(work: str, config: str, spatial: int) -> dict:
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=1",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{harness.free_port()}",
         __file__,
         "--rank",
         out,
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", default="128,128,80")
     ap.add_argument("--crop", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write restart.md (what was printed) and restart.json here")
     ap.add_argument("--rank", nargs=3, metavar=("OUT", "CONFIG", "CROP"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank:
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     from monai_cache.synthetic import make_dataset
 
     shape = tuple(int(s) for s in args.shape.split(","))
+    machine = harness.machine_info()
     work = tempfile.mkdtemp(prefix="bench-restart-")
     try:
         files = make_dataset(os.path.join(work, "ct"), items=args.items, shape=shape)
@@ -170,21 +172,21 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[config].append(run_job(work, config, args.crop))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(
-        f"# {args.items} volumes of {shape} voxels, crops of {args.crop}^3, 2 gloo ranks, no DataLoader workers; "
-        f"medians of {args.repeats} repeats; load average at the end {os.getloadavg()[0]:.1f}"
-    )
-    print(
-        "| | crash -> first batch after the restart, s | CPU s of the restarted ranks until then "
-        "| chain runs before the crash | chain runs after the restart | whole job, wall s |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
+    rep = harness.Report("restart")
+    rep.machine(machine, at_end=True)
+    rep.line(f"{args.items} volumes of {shape} voxels, crops of {args.crop}^3, 2 gloo ranks, no DataLoader workers; "
+             f"medians of {args.repeats} repeats")
     keys = ("to_first_batch", "cpu_to_first_batch", "computed_before", "computed_again", "job_wall")
+    rows = [["", "crash -> first batch after the restart, s", "CPU s of the restarted ranks until then",
+             "chain runs before the crash", "chain runs after the restart", "whole job, wall s"]]
     for config in CONFIGS:
-        m = [median(r[k] for r in runs[config]) for k in keys]
-        print(f"| {config} | {m[0]:.2f} | {m[1]:.2f} | {m[2]:.0f} | {m[3]:.0f} | {m[4]:.1f} |")
-    ratio = [median(o[k] / b[k] for o, b in zip(runs["monai_cache"], runs["monai"]) if b[k]) for k in keys]
-    print("| monai_cache / monai | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in ratio) + " |")
+        m = [harness.median(r[k] for r in runs[config]) or 0.0 for k in keys]
+        rows.append([config, f"{m[0]:.2f}", f"{m[1]:.2f}", f"{m[2]:.0f}", f"{m[3]:.0f}", f"{m[4]:.1f}"])
+    ratio = [harness.median(o[k] / b[k] for o, b in zip(runs["monai_cache"], runs["monai"]) if b[k]) for k in keys]
+    rows.append(["monai_cache / monai", *("-" if r is None else f"{r:.2f}x" for r in ratio)])
+    rep.table(rows)
+    if args.out:
+        rep.save(args.out, {"machine": machine, "runs": runs})
     return runs
 
 

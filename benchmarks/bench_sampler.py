@@ -1,6 +1,7 @@
 """Benchmark: cache hit rate, epoch time, coverage and batch mixing of ShardedDistributedSampler.
 
-Run ``python -m benchmarks sampler [--quick]``. Not a timed test; it prints tables.
+Run ``python -m benchmarks sampler [--quick] [--out DIR]``. Not a timed test; it prints tables (``--out``:
+``sampler.md`` as printed and ``sampler.json``).
 
 1. A 2-rank run (gloo, each rank an independent process started like torchrun starts it). Each rank keeps a
    private cache of what one rank can afford (``ceil(n / 2)`` items, first come first kept); a miss costs a fixed,
@@ -21,9 +22,7 @@ import itertools
 import json
 import math
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ from torch.utils.data import DistributedSampler
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+import harness  # noqa: E402  # the benchmarks' shared helpers (its neighbour here)
 
 from monai_cache.sampler import ShardedDistributedSampler  # noqa: E402
 
@@ -103,8 +104,7 @@ def worker(cfg: dict) -> None:
     rows = []
     for repeat in range(cfg["repeats"]):
         # rotate the order of the samplers between repeats, so none always runs first
-        order = SAMPLERS[repeat % len(SAMPLERS) :] + SAMPLERS[: repeat % len(SAMPLERS)]
-        for kind in order:
+        for kind in harness.rotated(SAMPLERS, repeat):
             sampler = make_sampler(kind, n, None, None, seed=repeat)  # world / rank from the process group
             cache: dict[int, float] = {}
             for epoch in range(epochs):
@@ -139,73 +139,40 @@ def worker(cfg: dict) -> None:
 # ----------------------------------------------------------------------------- coordinator side
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_gloo(cfg: dict, world: int = 2, timeout: float = 900.0) -> list[dict]:
-    port = free_port()
+    """The 2-rank run: ``world`` ranks started like torchrun (gloo), rank 0's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {**cfg, "out": os.path.join(tmp, "rows.json")}
-        procs = []
-        for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
-        try:
-            for p in procs:
-                p.wait(timeout=timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"worker failed: return codes {[p.returncode for p in procs]}")
+        harness.run_ranks([os.path.abspath(__file__), "--worker", json.dumps(cfg)], world, tmp, timeout=timeout)
         with open(cfg["out"]) as f:
             return json.load(f)
 
 
-def median(values) -> float:
-    return statistics.median(values)
-
-
-def report_gloo(rows: list[dict], cfg: dict, miss_ms: float) -> None:
+def report_gloo(rep: harness.Report, rows: list[dict], cfg: dict, miss_ms: float) -> None:
     epochs, repeats = cfg["epochs"], cfg["repeats"]
     n = cfg["n_items"]
-    print(
-        f"\n## 1. Two ranks (gloo, independent processes), {n} items, per-rank cache of {math.ceil(n / 2)} items, "
-        f"miss = {miss_ms:.1f} ms of numpy; medians of {repeats} repeats\n"
+    rep.heading(
+        f"1. Two ranks (gloo, independent processes), {n} items, per-rank cache of {math.ceil(n / 2)} items, "
+        f"miss = {miss_ms:.1f} ms of numpy; medians of {repeats} repeats"
     )
 
     def pick(kind, epoch, key):
-        return median(r[key] for r in rows if r["sampler"] == kind and r["epoch"] == epoch)
+        return harness.median(r[key] for r in rows if r["sampler"] == kind and r["epoch"] == epoch)
 
     def rate(kind, epoch):
-        return median(
+        return harness.median(
             r["hits"] / (r["hits"] + r["misses"]) for r in rows if r["sampler"] == kind and r["epoch"] == epoch
         )
 
     steady = range(1, epochs)
-    head = "| sampler | " + " | ".join(f"hit e{e}" for e in range(epochs)) + " | hit e>=1 | vs torch |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+    table = [["sampler", *(f"hit e{e}" for e in range(epochs)), "hit e>=1", "vs torch"]]
     torch_steady = statistics.mean(rate("torch", e) for e in steady)
     for kind in SAMPLERS:
         s = statistics.mean(rate(kind, e) for e in steady)
-        cells = " | ".join(f"{rate(kind, e):.0%}" for e in range(epochs))
-        print(f"| {kind} | {cells} | {s:.0%} | {s / torch_steady:.2f}x |")
-
-    print()
-    head = (
-        "| sampler | wall s, e0 | CPU s, e0 | wall s/epoch, e>=1 | CPU s/epoch, e>=1 (both ranks) "
-        "| wall vs torch | CPU vs torch |"
-    )
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+        table.append([kind, *(f"{rate(kind, e):.0%}" for e in range(epochs)), f"{s:.0%}", f"{s / torch_steady:.2f}x"])
+    rep.table(table)
+    table = [["sampler", "wall s, e0", "CPU s, e0", "wall s/epoch, e>=1", "CPU s/epoch, e>=1 (both ranks)",
+              "wall vs torch", "CPU vs torch"]]
 
     def steady_median(kind, key):
         # per repeat: mean over the steady epochs; then the median over repeats
@@ -213,29 +180,23 @@ def report_gloo(rows: list[dict], cfg: dict, miss_ms: float) -> None:
             statistics.mean(r[key] for r in rows if r["sampler"] == kind and r["repeat"] == rep and r["epoch"] >= 1)
             for rep in range(repeats)
         ]
-        return median(per_rep)
+        return harness.median(per_rep)
 
     tw, tc = steady_median("torch", "wall"), steady_median("torch", "cpu")
     for kind in SAMPLERS:
         w, c = steady_median(kind, "wall"), steady_median(kind, "cpu")
-        print(
-            f"| {kind} | {pick(kind, 0, 'wall'):.3f} | {pick(kind, 0, 'cpu'):.3f} | {w:.3f} | {c:.3f} "
-            f"| {w / tw:.2f}x | {c / tc:.2f}x |"
-        )
+        table.append([kind, f"{pick(kind, 0, 'wall'):.3f}", f"{pick(kind, 0, 'cpu'):.3f}", f"{w:.3f}", f"{c:.3f}",
+                      f"{w / tw:.2f}x", f"{c / tc:.2f}x"])
+    rep.line()
+    rep.table(table)
 
 
-def report_coverage(n: int, world: int, epochs: int) -> None:
-    print(
-        f"\n## 2. Coverage over {epochs} epochs, {n} items on {world} ranks (not divisible), "
-        "computed from the samplers\n"
-    )
+def report_coverage(rep: harness.Report, n: int, world: int, epochs: int) -> None:
+    rep.heading(f"2. Coverage over {epochs} epochs, {n} items on {world} ranks (not divisible), computed from the "
+                "samplers")
     capacity = math.ceil(n / world)
-    head = (
-        "| sampler | drop_last | never read | read twice in every epoch "
-        f"| cache miss rate e>=1 (per-rank cache of {capacity} items) |"
-    )
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+    table = [["sampler", "drop_last", "never read", "read twice in every epoch",
+              f"cache miss rate e>=1 (per-rank cache of {capacity} items)"]]
     for drop_last, kind in itertools.product((False, True), SAMPLERS):
         ss = [make_sampler(kind, n, world, r, drop_last=drop_last) for r in range(world)]
         caches: list[set[int]] = [set() for _ in range(world)]
@@ -257,20 +218,16 @@ def report_coverage(n: int, world: int, epochs: int) -> None:
                         if len(cache) < capacity:
                             cache.add(i)
                 reads_after_first += len(r) * (e > 0)
-        print(f"| {kind} | {drop_last} | {n - len(seen)} | {len(dup_every)} | {misses / reads_after_first:.1%} |")
+        miss_rate = misses / reads_after_first
+        table.append([kind, str(drop_last), str(n - len(seen)), str(len(dup_every)), f"{miss_rate:.1%}"])
+    rep.table(table, left=2)
 
 
-def report_mixing(n: int, batch: int, epochs: int, world: int = 4) -> None:
-    print(
-        f"\n## 3. Batch mixing, {world} simulated ranks (2 per node), {n} items, batch {batch} per rank, {epochs} "
-        "epochs: share of all item pairs that ever meet in a batch\n"
-    )
-    head = (
-        "| sampler | per-rank batch: pairs met | share of all pairs | vs torch | ceiling (pairs within a shard) "
-        "| global batch (all ranks, one step): share |"
-    )
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+def report_mixing(rep: harness.Report, n: int, batch: int, epochs: int, world: int = 4) -> None:
+    rep.heading(f"3. Batch mixing, {world} simulated ranks (2 per node), {n} items, batch {batch} per rank, {epochs} "
+                "epochs: share of all item pairs that ever meet in a batch")
+    table = [["sampler", "per-rank batch: pairs met", "share of all pairs", "vs torch",
+              "ceiling (pairs within a shard)", "global batch (all ranks, one step): share"]]
     all_pairs = n * (n - 1) // 2
     results = {}
     for kind in ("torch", "sharded", "sharded_node", "canonical"):
@@ -296,10 +253,9 @@ def report_mixing(n: int, batch: int, epochs: int, world: int = 4) -> None:
     for kind, (count, ceiling, glob_count) in results.items():
         label = {"sharded": "sharded, shard_by='rank'", "sharded_node": "sharded, shard_by='node'",
                  "canonical": f"sharded, canonical_shards={CANONICAL}"}.get(kind, kind)  # fmt: skip
-        print(
-            f"| {label} | {count} | {count / all_pairs:.1%} | {count / results['torch'][0]:.2f}x "
-            f"| {ceiling / all_pairs:.0%} | {glob_count / all_pairs:.1%} |"
-        )
+        table.append([label, str(count), f"{count / all_pairs:.1%}", f"{count / results['torch'][0]:.2f}x",
+                      f"{ceiling / all_pairs:.0%}", f"{glob_count / all_pairs:.1%}"])
+    rep.table(table)
 
 
 def _reads(samplers, epoch: int) -> list[list[int]]:
@@ -314,19 +270,15 @@ def _global_order(reads: list[list[int]]) -> list[int]:
     return [r[j] for j in range(max(map(len, reads))) for r in reads if j < len(r)]
 
 
-def report_world_sizes(n: int, epochs: int, global_batch: int) -> None:
+def report_world_sizes(rep: harness.Report, n: int, epochs: int, global_batch: int) -> None:
     """The world-size-independent order against the default one on 1 to 8 ranks: order, hits, fill, mixing."""
-    print(
-        f"\n## 4. World sizes 1, 2, 4, 8: the default order against canonical_shards={CANONICAL}; {n} items, "
+    rep.heading(
+        f"4. World sizes 1, 2, 4, 8: the default order against canonical_shards={CANONICAL}; {n} items, "
         f"{epochs} epochs, per-rank cache of ceil({n} / world) items, global batch {global_batch} "
-        "(computed from the samplers)\n"
+        "(computed from the samplers)"
     )
-    head = (
-        "| order | world | same global order as 1 rank (epochs) | items computed, e0 (fill) | hit rate e>=1 "
-        f"| global-batch pairs met (share of all) | the same, global batch {global_batch // 4} |"
-    )
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+    table = [["order", "world", "same global order as 1 rank (epochs)", "items computed, e0 (fill)", "hit rate e>=1",
+              "global-batch pairs met (share of all)", f"the same, global batch {global_batch // 4}"]]
     all_pairs = n * (n - 1) // 2
     for kind in ("sharded", "canonical"):
         reference = [_global_order(_reads([make_sampler(kind, n, 1, 0)], e)) for e in range(epochs)]
@@ -354,22 +306,20 @@ def report_world_sizes(n: int, epochs: int, global_batch: int) -> None:
                         if not hit and len(cache) < math.ceil(n / world):
                             cache.add(i)
             label = "default (shard-local)" if kind == "sharded" else f"canonical_shards={CANONICAL}"
-            print(
-                f"| {label} | {world} | {same}/{epochs} | {computed0} | {hits / reads_after:.0%} "
-                f"| {len(pairs)} ({len(pairs) / all_pairs:.1%}) | {len(small)} ({len(small) / all_pairs:.1%}) |"
-            )
+            table.append([label, str(world), f"{same}/{epochs}", str(computed0), f"{hits / reads_after:.0%}",
+                          f"{len(pairs)} ({len(pairs) / all_pairs:.1%})",
+                          f"{len(small)} ({len(small) / all_pairs:.1%})"])
+    rep.table(table)
 
 
-def report_resume(n: int, batch: int) -> None:
+def report_resume(rep: harness.Report, n: int, batch: int) -> None:
     """An epoch interrupted on 2 nodes of 2 ranks and taken up by 1 node of 2 ranks (node 1 is lost)."""
-    print(
-        f"\n## 5. Resume on another world size: {n} items, node caches (shard_by='node'), 2 nodes x 2 ranks read "
+    rep.heading(
+        f"5. Resume on another world size: {n} items, node caches (shard_by='node'), 2 nodes x 2 ranks read "
         f"epochs 0-1 and half of epoch 2 (batch {batch}), then node 1 is lost and 1 node x 2 ranks goes on; "
-        "node 0's cache survives (computed from the samplers)\n"
+        "node 0's cache survives (computed from the samplers)"
     )
-    head = "| what the job does | epoch 2: items read twice | never read | items computed, rest of e2 + e3 |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+    table = [["what the job does", "epoch 2: items read twice", "never read", "items computed, rest of e2 + e3"]]
 
     def node_samplers(world: int) -> list[ShardedDistributedSampler]:
         return [
@@ -405,13 +355,15 @@ def report_resume(n: int, batch: int) -> None:
             for x in lst:
                 computed += x not in cache
                 cache.add(x)
-        print(f"| {how} | {sum(c > 1 for c in counts.values())} | {n - len(counts)} | {computed} |")
+        table.append([how, str(sum(c > 1 for c in counts.values())), str(n - len(counts)), str(computed)])
+    rep.table(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; well under a minute")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help="write sampler.md (what was printed) and sampler.json here")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -429,15 +381,19 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(3):
         miss_work(0, cfg["miss_elems"])
-    miss_ms = median([_timed(miss_work, i, cfg["miss_elems"]) for i in range(15)]) * 1e3
-    print(f"# ShardedDistributedSampler benchmark ({'quick' if args.quick else 'full'}); {os.cpu_count()} CPU cores")
+    miss_ms = harness.median([_timed(miss_work, i, cfg["miss_elems"]) for i in range(15)]) * 1e3
+    rep, machine = harness.Report("sampler"), harness.machine_info()
+    rep.machine(machine)
+    rep.line(f"ShardedDistributedSampler benchmark ({'quick' if args.quick else 'full'})")
     rows = run_gloo(cfg)
-    report_gloo(rows, cfg, miss_ms)
-    report_coverage(*cov)
-    report_mixing(*mix)
-    report_world_sizes(*sizes)
-    report_resume(*resume)
-    print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+    report_gloo(rep, rows, cfg, miss_ms)
+    report_coverage(rep, *cov)
+    report_mixing(rep, *mix)
+    report_world_sizes(rep, *sizes)
+    report_resume(rep, *resume)
+    rep.line(f"\n(total {time.perf_counter() - t0:.1f} s)")
+    if args.out:
+        rep.save(args.out, {"machine": machine, "config": cfg, "miss_ms": miss_ms, "rows": rows})
 
 
 def _timed(fn, *a) -> float:

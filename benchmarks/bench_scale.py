@@ -30,12 +30,15 @@ Usage::
 alone are compared), MONAI's for every variant, or each package's own (``package``: ``monai_cache.DataLoader``
 for ours, ``monai.data.DataLoader`` for MONAI's: what a user of each package runs).
 
-Writes ``bench_scale.json`` and, if matplotlib is installed, ``bench_scale.png`` to ``--out``.
+Writes ``scale.md`` (what was printed), ``scale.json`` (every measurement) and, if matplotlib is installed,
+``bench_scale.png`` to ``--out``. ``bench_scale.py --large MODE SIZE_BYTES WHERE`` measures one large item in a
+process of its own (:func:`large_item`; ``tests/test_scale.py`` runs it at 256 MiB).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -43,9 +46,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
+import zlib
+
+import harness  # the benchmarks' shared helpers (its neighbour here)
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -82,57 +87,6 @@ def _proc_counts() -> tuple[int, int]:
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
     return fds, maps
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _tree(pid: int) -> list[int]:
-    seen, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo += _children(p)
-    return seen
-
-
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class PeakPss:
-    """Samples the total PSS of a set of process trees in a thread; ``peak`` is the largest total seen."""
-
-    def __init__(self, pids: list[int], interval: float = 0.25) -> None:
-        self.pids, self.interval, self.peak = pids, interval, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, sum(_pss(p) for root in self.pids for p in _tree(root)))
-            self._stop.wait(self.interval)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
 
 
 def _blocks(path: str) -> int:
@@ -240,7 +194,7 @@ def run_variant(variant: str, n: int, ranks: int, workers: int, timeout: float, 
         res = os.path.join(work, f"rank{r}.json")
         cmd = [sys.executable, HERE, "--rank", variant, str(n), str(workers), cache_dir, res]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), res))
-    sampler = PeakPss([p.pid for p, _ in procs])
+    sampler = harness.MemorySampler([], None, 0.25).start([p.pid for p, _ in procs])  # PSS of the ranks' trees
     out: dict = {"variant": variant, "n": n}
     errors = []
     for p, _res in procs:
@@ -253,7 +207,8 @@ def run_variant(variant: str, n: int, ranks: int, workers: int, timeout: float, 
             p.communicate()
             errors.append([f"timed out after {timeout:.0f} s"])
     out["wall"] = time.perf_counter() - t0
-    out["peak_pss"] = sampler.stop()
+    sampler.stop()
+    out["peak_pss"] = sampler.summary()["mem_peak"] or 0
     if errors:
         out["error"] = errors[0][0]
     else:
@@ -328,17 +283,90 @@ def _ours_cache_extras(n: int, shm_dir: str, workers: int, timeout: float) -> di
 
 
 # ------------------------------------------------------------------------------------- large item
-LARGE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "large_item.py")  # also tests/test_scale.py
+LARGE_MODES = ("shm", "raw", "zstd", "zstd-downcast")
+
+
+def _rss() -> dict[str, int]:
+    """``VmRSS`` and ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            if k in ("VmHWM", "VmRSS"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def large_item(mode: str, size: int, where: str) -> dict:
+    """Peak memory and time of storing one large item and reading it back, in this process (a fresh one: the
+    launcher runs ``bench_scale.py --large MODE SIZE_BYTES WHERE``, as ``tests/test_scale.py`` does at 256 MiB).
+
+    ``mode``: ``shm`` (a ``SharedMemoryStore`` in the tmpfs directory ``where``), ``raw`` (a ``DiskStore`` in
+    ``where`` without compression), ``zstd`` (compressed) or ``zstd-downcast`` (compressed, with lossless
+    downcasting of an integral float32 volume, as CT intensities are: the check passes and an int16 copy is
+    stored). The other modes store a random float32 tensor, which nothing downcasts.
+
+    Returns ``mode``, ``write_x`` and ``read_x`` (growth of the peak RSS over the RSS before the item was made,
+    while writing and while reading, as multiples of the item's size: the item itself counts 1), ``write_s`` and
+    ``read_s`` (seconds), and ``same`` (the item read back holds the bytes written). Linux only (``/proc``).
+    """
+    import torch
+
+    from monai_cache.disk import DiskStore
+    from monai_cache.shm import SharedMemoryStore
+
+    if mode not in LARGE_MODES:
+        raise SystemExit(f"mode must be one of {', '.join(LARGE_MODES)}, got {mode!r}")
+    torch.set_num_threads(1)
+    gc.collect()
+    base = _rss()["VmRSS"]
+    g = torch.Generator().manual_seed(0)
+    if mode == "zstd-downcast":
+        item = {"image": torch.randint(-1000, 3000, (size // 4,), generator=g, dtype=torch.int32).float()}
+    else:
+        item = {"image": torch.rand(size // 4, generator=g)}
+    crc = zlib.crc32(item["image"].numpy())
+    gc.collect()
+    _reset_peak()  # from here on: the item, and what storing it adds (not the temporaries that made it)
+    t = time.perf_counter()
+    if mode == "shm":
+        store: SharedMemoryStore | DiskStore = SharedMemoryStore("large", 1, shm_dir=where)
+        store[0] = item
+    else:
+        store = DiskStore(where, compression=None if mode == "raw" else "zstd", downcast=mode == "zstd-downcast",
+                          max_pending_bytes=size // 2)
+        store.put("large", item)
+        if not store.flush(600):
+            raise SystemExit("the write did not finish within 600 s")
+    write_s = time.perf_counter() - t
+    write_peak = _rss()["VmHWM"] - base
+    del item
+    gc.collect()
+    _reset_peak()
+    base = _rss()["VmRSS"]
+    t = time.perf_counter()
+    got = store[0] if isinstance(store, SharedMemoryStore) else store.get("large")
+    read_s = time.perf_counter() - t
+    same = zlib.crc32(got["image"].numpy()) == crc
+    read_peak = _rss()["VmHWM"] - base
+    return {"mode": mode, "write_x": write_peak / size, "read_x": read_peak / size, "write_s": write_s,
+            "read_s": read_s, "same": same}
 
 
 def run_large(size_mb: int, shm_dir: str) -> list[dict]:
+    """:func:`large_item` in each mode, each in a fresh process (so that its peak RSS is its own)."""
     out = []
     size = size_mb << 20
-    for mode in ("shm", "raw", "zstd", "zstd-downcast"):  # see large_item.py
+    for mode in LARGE_MODES:
         where = shm_dir if mode == "shm" else tempfile.mkdtemp(prefix="bench-large-",
                                                               dir=os.environ.get("BENCH_SCALE_DISK", "/tmp"))
         env = dict(os.environ, PYTHONWARNINGS="ignore")
-        r = subprocess.run([sys.executable, LARGE_SCRIPT, mode, str(size), where],
+        r = subprocess.run([sys.executable, HERE, "--large", mode, str(size), where],
                            env=env, capture_output=True, text=True, timeout=1800)
         if r.returncode == 0:
             row = json.loads(r.stdout.strip().splitlines()[-1])
@@ -346,7 +374,7 @@ def run_large(size_mb: int, shm_dir: str) -> list[dict]:
             row = {"mode": mode, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
         row["size_mb"] = size_mb
         out.append(row)
-        print(f"  large {size_mb} MiB {mode}: {row}", flush=True)
+        print(f"  large {size_mb} MiB {mode}: {row}", file=sys.stderr, flush=True)
         if mode != "shm":
             shutil.rmtree(where, ignore_errors=True)
     return out
@@ -373,35 +401,46 @@ s.release()
 
 
 # ------------------------------------------------------------------------------------------ report
+MAX_OVERHEAD = 0.10  # per 16 KiB entry, shared memory and disk
+MAX_SECONDS = 1.0  # attach to a filled cache, list it, clear it
+MAX_LARGE_X = 2.1  # peak RSS / item size of a large item: the item and at most one copy (and a little slack)
+MAX_MAP_COUNT = 65530  # vm.max_map_count's default
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> str:
+def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str, rep: harness.Report) -> None:
     loader = LOADERS[os.environ.get("BENCH_SCALE_LOADER", "torch")]
-    lines = [f"Small items read with {loader}.", "",
-             "| dataset | items | build s | warm items/s | peak memory | worker fds | worker maps | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    rep.heading("Small items")
+    table = [["dataset", "items", "build s", "warm items/s", "peak memory", "worker fds", "worker maps"]]
+    notes = []
     for r in rows:
         if "error" in r:
             what = r["error"] if r["error"].startswith("timed out") else f"fails: {r['error'][:90]}"
-            lines.append(f"| {r['variant']} | {r['n']:,} | | | {_fmt_bytes(r['memory'])} | | | {what} |")
+            table.append([r["variant"], f"{r['n']:,}", "", "", _fmt_bytes(r["memory"]), "", ""])
+            notes.append(f"{r['variant']}, {r['n']:,} items: {what}")
             continue
-        notes = []
+        table.append([r["variant"], f"{r['n']:,}", f"{r['build']:.1f}", f"{r['warm_items_s']:,.0f}",
+                      _fmt_bytes(r["memory"]), str(r["worker_fds"]), str(r["worker_maps"])])
+        note = []
         if "shm_overhead" in r:
-            notes.append(f"shm overhead {r['shm_overhead']:.1%} ({r['shm_files']} files)")
+            note.append(f"shm overhead {r['shm_overhead']:.1%} ({r['shm_files']} files)")
         if "disk_overhead" in r:
-            notes.append(f"disk overhead {r['disk_overhead']:.1%} ({r['disk_files']:,} files)")
+            note.append(f"disk overhead {r['disk_overhead']:.1%} ({r['disk_files']:,} files)")
         if "attach_s" in r:
             ls_s, clear_s = r.get("ls_core_s", float("nan")), r.get("clear_core_s", float("nan"))
-            notes.append(f"attach {r['attach_s']:.2f} s (+{r['attach_imports_s']:.1f} s imports); "
-                         f"ls {ls_s:.3f} s, clear {clear_s:.3f} s (`monai-cache ls` {r['ls_s']:.1f} s with imports)")
-        lines.append(
-            f"| {r['variant']} | {r['n']:,} | {r['build']:.1f} | {r['warm_items_s']:,.0f} | {_fmt_bytes(r['memory'])} "
-            f"| {r['worker_fds']} | {r['worker_maps']} | {'; '.join(notes)} |"
-        )
-    # ratios against MONAI
-    ratio = ["", "| items | vs | warm items/s (ours / MONAI) | memory (MONAI / ours) |", "|---:|---|---:|---:|"]
+            note.append(f"attach {r['attach_s']:.2f} s (+{r['attach_imports_s']:.1f} s imports); "
+                        f"ls {ls_s:.3f} s, clear {clear_s:.3f} s (`monai-cache ls` {r['ls_s']:.1f} s with imports)")
+        if note:
+            notes.append(f"{r['variant']}, {r['n']:,} items: {'; '.join(note)}")
+    rep.table(table, left=2)
+    rep.line("\n".join(notes))
+    rep.line(f"Read with {loader}. Peak memory: PSS of every process of the run, plus the shared-memory cache for "
+             "ours-cache.")
+    rep.heading("Ours against MONAI")
+    table = [["items", "vs", "warm items/s (ours / MONAI)", "memory (MONAI / ours)"]]
     by = {(r["variant"], r["n"]): r for r in rows}
     for n in sorted({r["n"] for r in rows}):
         for ours, theirs in (("ours-cache", "monai-cache"), ("ours-cache", "monai-processes"),
@@ -410,23 +449,74 @@ def report(rows: list[dict], large: list[dict], budget: dict, out_dir: str) -> s
             if not a or not b or "error" in a:
                 continue
             if "error" in b:
-                ratio.append(f"| {n:,} | {ours} vs {theirs} | MONAI: {b['error'][:40]} | |")
+                table.append([f"{n:,}", f"{ours} vs {theirs}", f"MONAI: {b['error'][:40]}", ""])
                 continue
-            ratio.append(f"| {n:,} | {ours} vs {theirs} | {a['warm_items_s'] / b['warm_items_s']:.2f} | "
-                         f"{b['memory'] / a['memory']:.2f} |")
-    lrows = ["", "| large item | write: peak RSS / size | read: peak RSS / size | write s | read s |",
-             "|---|---:|---:|---:|---:|"]
+            table.append([f"{n:,}", f"{ours} vs {theirs}", f"{a['warm_items_s'] / b['warm_items_s']:.2f}",
+                          f"{b['memory'] / a['memory']:.2f}"])
+    if len(table) > 1:
+        rep.table(table, left=2)
+    if large:
+        rep.heading("A large item")
+        table = [["large item", "write: peak RSS / size", "read: peak RSS / size", "write s", "read s"]]
+        for r in large:
+            name = f"{r['size_mb']} MiB {r['mode']}"
+            if "error" in r:
+                table.append([name, f"fails: {r['error'][:80]}", "", "", ""])
+            else:
+                table.append([name, f"{r['write_x']:.2f}", f"{r['read_x']:.2f}", f"{r['write_s']:.1f}",
+                              f"{r['read_s']:.1f}"])
+        rep.table(table)
+    rep.heading("Targets")
+    rep.targets(targets(rows, large, budget))
+    _plot(rows, out_dir)
+
+
+def targets(rows: list[dict], large: list[dict], budget: dict) -> list[tuple[bool, str]]:
+    """The targets of docs/scale.md, from the measurements of this run."""
+    checks: list[tuple[bool, str]] = []
+    ok = [r for r in rows if "error" not in r]
+    ours = [r for r in ok if r["variant"] == "ours-cache"]
+    if ours:
+        top = max(ours, key=lambda r: r["n"])
+        checks.append((all(r["worker_fds"] < r["n"] / 10 for r in ours),
+                       f"no descriptor per cached item (shm): {top['n']:,} items, {top.get('shm_files', '?')} files in "
+                       f"the cache, at most {top['worker_fds']} descriptors in a DataLoader worker"))  # fmt: skip
+        monai_maps = {r["n"]: r["worker_maps"] for r in ok if r["variant"] == "monai-cache"}
+        maps = [r["worker_maps"] for r in ours]
+        checks.append((max(maps) < MAX_MAP_COUNT // 10 and all(
+            r["worker_maps"] <= 1.1 * monai_maps.get(r["n"], r["worker_maps"]) for r in ours),
+            f"maps per DataLoader worker bounded, far below vm.max_map_count {MAX_MAP_COUNT:,} and within 1.1x "
+            f"MONAI's: {min(maps)}-{max(maps)} (MONAI's CacheDataset: "
+            f"{min(monai_maps.values(), default=0)}-{max(monai_maps.values(), default=0)})"))  # fmt: skip
+        over = [r["shm_overhead"] for r in ours if "shm_overhead" in r]
+        if over:
+            checks.append((max(over) <= MAX_OVERHEAD, f"overhead per 16 KiB entry <= {MAX_OVERHEAD:.0%}, shared "
+                           f"memory: {min(over):.1%}-{max(over):.1%}"))  # fmt: skip
+        for key, what in (("attach_s", "attach to a filled cache"), ("ls_core_s", "`monai-cache ls` (listing)"),
+                          ("clear_core_s", "`monai-cache clear` (removing)")):
+            if key in top:
+                checks.append((top[key] < MAX_SECONDS, f"{what} < {MAX_SECONDS:.0f} s: {top[key]:.3f} s at "
+                               f"{top['n']:,} items"))  # fmt: skip
+    disk = [r for r in ok if r["variant"] == "ours-persistent" and "disk_overhead" in r]
+    if disk:
+        over = [r["disk_overhead"] for r in disk]
+        checks.append((max(over) <= MAX_OVERHEAD, f"overhead per 16 KiB entry <= {MAX_OVERHEAD:.0%}, disk: "
+                       f"{min(over):.1%}-{max(over):.1%}"))  # fmt: skip
+        files = {r["n"]: r["disk_files"] for r in disk}
+        checks.append((max(files.values()) < min(files) / 100, "no file per small item on disk (packed): "
+                       + ", ".join(f"{f:,} files at {n:,} items" for n, f in sorted(files.items()))))  # fmt: skip
     for r in large:
         name = f"{r['size_mb']} MiB {r['mode']}"
         if "error" in r:
-            lrows.append(f"| {name} | fails: {r['error'][:80]} | | | |")
+            checks.append((False, f"large item {name}: fails: {r['error'][:80]}"))
         else:
-            lrows.append(
-                f"| {name} | {r['write_x']:.2f} | {r['read_x']:.2f} | {r['write_s']:.1f} | {r['read_s']:.1f} |"
-            )
-    text = "\n".join(lines + ratio + lrows + ["", f"budget smaller than one item: {budget}"])
-    _plot(rows, out_dir)
-    return text
+            worst = max(r["write_x"], r["read_x"])
+            checks.append((worst <= MAX_LARGE_X and r["same"], f"large item {name}: peak RSS at most the item and "
+                           f"one copy: {r['write_x']:.2f}x writing, {r['read_x']:.2f}x reading"))  # fmt: skip
+    if budget:
+        held = budget.get("warnings") == 1 and budget.get("returned") and budget.get("entries") == 0
+        checks.append((bool(held), f"a budget smaller than one item: skipped, one warning, item returned: {budget}"))
+    return checks
 
 
 def _plot(rows: list[dict], out_dir: str) -> None:
@@ -436,7 +526,7 @@ def _plot(rows: list[dict], out_dir: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(matplotlib not installed: no plot)")
+        print("(matplotlib not installed: no plot)", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for v in VARIANTS:
@@ -452,13 +542,17 @@ def _plot(rows: list[dict], out_dir: str) -> None:
     fig.suptitle("64x64 float32 items: cost as the item count grows (2 shared CPU cores)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench_scale.png"), dpi=100)
-    print(f"wrote {os.path.join(out_dir, 'bench_scale.png')}")
+    print(f"wrote {os.path.join(out_dir, 'bench_scale.png')}", file=sys.stderr)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         _, _, variant, n, workers, cache_dir, result = sys.argv
         rank_main(variant, int(n), int(workers), cache_dir, result)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--large":  # one large item, in a process of its own
+        _, _, mode, size, where = sys.argv
+        print(json.dumps(large_item(mode, int(size), where)))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2,000/5,000/10,000 items and a 256 MiB item")
@@ -470,12 +564,17 @@ def main() -> None:
     p.add_argument("--timeout", type=float, help="seconds per variant and size")
     p.add_argument("--loader", choices=tuple(LOADERS), default="torch",
                    help="the DataLoader of the small-item runs: " + "; ".join(f"{k}: {v}" for k, v in LOADERS.items()))
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=".", help="write scale.md (what was printed), scale.json and bench_scale.png here")
     args = p.parse_args()
     os.environ["BENCH_SCALE_LOADER"] = args.loader  # read by the ranks
     sizes = args.sizes or ([2000, 5000, 10000] if args.quick else [10000, 50000, 100000])
     large_mb = args.large_mb if args.large_mb is not None else (256 if args.quick else 2048)
     timeout = args.timeout or (120 if args.quick else 1200)
+    rep = harness.Report("scale")
+    machine = harness.machine_info()
+    rep.machine(machine)
+    rep.line(f"{args.ranks} ranks x {args.workers} DataLoader workers; {', '.join(f'{n:,}' for n in sizes)} items of "
+             f"64x64 float32 (16 KiB); " + (f"a {large_mb} MiB item" if large_mb else "no large item"))
     shm_dir = f"/dev/shm/bench-scale-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm_dir)
     rows = []
@@ -485,21 +584,18 @@ def main() -> None:
             for v in args.variants:
                 r = run_variant(v, n, args.ranks, args.workers, timeout, shm_dir)
                 print(f"{v} n={n}: " + json.dumps({k: (round(x, 4) if isinstance(x, float) else x)
-                                                 for k, x in r.items()}), flush=True)
+                                                 for k, x in r.items()}), file=sys.stderr, flush=True)
                 rows.append(r)
         large = run_large(large_mb, shm_dir) if large_mb else []
         budget = budget_check(shm_dir)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_scale.json"), "w") as f:
-        json.dump({"rows": rows, "large": large, "budget": budget, "seconds": time.perf_counter() - t0,
-                   "cpus": os.cpu_count()}, f, indent=1)
-    text = report(rows, large, budget, args.out)
-    with open(os.path.join(args.out, "report.md"), "w") as f:  # read by benchmarks/report.py
-        f.write(text + "\n")
-    print(text)
-    print(f"total {time.perf_counter() - t0:.0f} s")
+    report(rows, large, budget, args.out, rep)
+    seconds = time.perf_counter() - t0
+    machine["loadavg_end"] = list(os.getloadavg())
+    rep.line(f"{seconds:.0f} s in all; load average at the end {machine['loadavg_end'][0]:.1f}.")
+    rep.save(args.out, {"rows": rows, "large": large, "budget": budget, "seconds": seconds, "machine": machine})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -157,11 +156,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None
     out: dict[str, dict[str, float | None]] = {}
     for config in CONFIGS:
         mine = [r for r in records if r["config"] == config]
-
-        def med(values: list[Any]) -> float | None:
-            values = [v for v in values if v is not None]
-            return statistics.median(values) if values else None
-
+        med = harness.median
         out[config] = {
             "init_s": med([r["init_s"] for r in mine]),
             "init_cpu_s": med([r["init_cpu_s"] for r in mine]),
@@ -187,17 +182,14 @@ ROWS = (
 )
 
 
-def table(summary: dict[str, dict[str, float | None]]) -> str:
-    lines = [
-        "| | MONAI `SmartCacheDataset` | monai_cache `SmartCacheDataset` | ratio (ours / MONAI) |",
-        "|---|---:|---:|---:|",
-    ]
+def table(summary: dict[str, dict[str, float | None]]) -> list[list[str]]:
+    rows = [["", "MONAI SmartCacheDataset", "monai_cache SmartCacheDataset", "ratio (ours / MONAI)"]]
     for title, key, fmt in ROWS:
         a, b = summary["monai"][key], summary["monai-cache"][key]
         cell = [fmt.format(v) if v is not None else "n/a" for v in (a, b)]
         ratio = f"{b / a:.2f}" if a and b is not None else "n/a"
-        lines.append(f"| {title} | {cell[0]} | {cell[1]} | {ratio} |")
-    return "\n".join(lines)
+        rows.append([title, cell[0], cell[1], ratio])
+    return rows
 
 
 def _shape(text: str) -> list[int]:
@@ -220,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (default 3; --quick 2)")
     parser.add_argument("--mem-interval", type=float, default=0.5, help="seconds between memory samples")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
-    parser.add_argument("--out", default=None, help="write bench_smartcache.json and .md here")
+    parser.add_argument("--out", default=None, help="write smartcache.md (what was printed) and smartcache.json here")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_spec:
@@ -235,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from monai_cache.synthetic import make_dataset
 
+    machine = harness.machine_info()
+    rep = harness.Report("smartcache")
+    rep.machine(machine)
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="monai-cache-bench-smartcache-")
     records = []
@@ -243,24 +238,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for config in CONFIGS if repeat % 2 == 0 else CONFIGS[::-1]:  # alternate: drift spreads over both
                 records.append(run_config(config, args, data, work))
-                print(f"  {config}: epochs {', '.join(f'{s:.2f}' for s in records[-1]['epoch_s'])} s", flush=True)
+                rep.line(f"  {config}: epochs {', '.join(f'{s:.2f}' for s in records[-1]['epoch_s'])} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(records)
-    title = (
-        f"bench_smartcache: {args.items} volumes of {'x'.join(map(str, args.shape))}, cache_num {args.cache_num}, "
-        f"replace_rate {args.replace_rate}, {args.ranks} ranks x {args.workers} DataLoader workers, {args.epochs} "
-        f"epochs, median of {args.repeats} repeat(s); {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s in all"
+    machine["loadavg_end"] = list(os.getloadavg())
+    rep.line(
+        f"{args.items} volumes of {'x'.join(map(str, args.shape))}, cache_num {args.cache_num}, replace_rate "
+        f"{args.replace_rate}, {args.ranks} ranks x {args.workers} DataLoader workers, {args.epochs} epochs, median of "
+        f"{args.repeats} repeat(s); {time.perf_counter() - t0:.0f} s in all"
     )
-    md = f"{title}\n\n{table(summary)}\n"
-    print(md)
+    rep.table(table(summary))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_smartcache.md"), "w") as f:
-            f.write(md)
-        with open(os.path.join(args.out, "bench_smartcache.json"), "w") as f:
-            json.dump({"args": vars(args), "records": records, "summary": summary}, f, indent=1)
+        rep.save(args.out, {"machine": machine, "args": vars(args), "records": records, "summary": summary})
     return 0
 
 

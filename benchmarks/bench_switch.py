@@ -48,7 +48,6 @@ import harness
 
 from monai_cache.codec import item_nbytes
 from monai_cache.synthetic import crop_size_for, tutorial_transforms
-from monai_cache.utils import format_table
 
 CONFIGS = {
     "uncached": "monai.data.Dataset (no cache)",
@@ -205,7 +204,7 @@ ROWS = (
 )
 
 
-def table(records: list[dict[str, Any]], markdown: bool) -> str:
+def table(records: list[dict[str, Any]]) -> list[list[str]]:
     """Medians per configuration; ``(x r)``: the median over repeats of the ratio against that repeat's stock run."""
     names = [n for n in CONFIGS if any(r["config"] == n for r in records)]
     repeats = sorted({r["repeat"] for r in records})
@@ -220,16 +219,13 @@ def table(records: list[dict[str, Any]], markdown: bool) -> str:
             values = [(of(name, rep) or {}).get(key) for rep in repeats]
             v = harness.median(values)
             cell = "-" if v is None else fmt.format(v)
-            ratios = []
-            for rep in repeats:
-                mine, base = of(name, rep), of(BASELINE, rep)
-                if mine and base and mine.get(key) is not None and (base.get(key) or 0) > 0:  # no ratio to noise
-                    ratios.append(mine[key] / base[key])
+            bases = [(of(BASELINE, rep) or {}).get(key) for rep in repeats]
+            ratios = harness.ratios(values, bases)  # the repeats where both ran and the base is not 0
             if name != BASELINE and ratios:
                 cell += f" ({harness.median(ratios):.2f}x)"
             row.append(cell)
         body.append(row)
-    return format_table([["", *names], *body], markdown=markdown, rule=True)
+    return [["", *names], *body]
 
 
 def add_copies(records: list[dict[str, Any]]) -> None:
@@ -260,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mem-interval", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 volumes of 64x64x48, 1 repeat")
-    parser.add_argument("--out", default=os.path.join(bench_cache.default_out_dir(), "switch"))
+    parser.add_argument("--out", default=os.path.join(bench_cache.default_out_dir(), "switch"),
+                        help="the runs, and switch.md (what was printed) and switch.json")
     args = parser.parse_args(argv)
     if args.rank_spec:
         rank_main(args.rank_spec)
@@ -276,11 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shm_dir = bench_cache.private_shm_dir()
     names = list(CONFIGS)
     records = []
+    machine = harness.machine_info()
     t0 = time.perf_counter()
     try:
         for ranks, workers in args.settings:
             for rep in range(repeats):
-                for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                for name in harness.rotated(names, rep):
                     spec = bench_cache.RunSpec(
                         config=name, data_list=data_list, run_dir=os.path.join(out, f"{ranks}x{workers}-{name}-{rep}"),
                         shm_dir=shm_dir, ranks=ranks, workers=workers, epochs=args.epochs,
@@ -292,27 +290,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(shm_dir, ignore_errors=True)
     add_copies(records)
     copy_bytes = harness.median([r["one_copy_bytes"] for r in records if r["config"] == BASELINE])
-    head = (
-        f"bench_switch: the segresnet pattern on {items} CT-like volumes of {'x'.join(map(str, shape))}, "
-        f"{args.epochs} epochs, batch {args.batch_size}, persistent workers, median of {repeats} repeat(s); one copy "
-        f"of the cached data = {copy_bytes / _MIB:.0f} MiB; (x r): median of the per-repeat ratios against stock"
-        if copy_bytes
-        else f"bench_switch: {items} volumes; (x r): median of the per-repeat ratios against stock"
+    rep = harness.Report("switch")
+    rep.machine(machine, at_end=True)
+    rep.line(
+        f"The segresnet pattern on {items} CT-like volumes of {'x'.join(map(str, shape))}, {args.epochs} epochs, batch "
+        f"{args.batch_size}, persistent workers, median of {repeats} repeat(s); one copy of the cached data = "
+        f"{(copy_bytes or 0) / _MIB:.0f} MiB; (x r): median of the per-repeat ratios against stock; "
+        f"{time.perf_counter() - t0:.0f} s in all.\n" + ", ".join(f"{k}: {v}" for k, v in CONFIGS.items()) + "."
     )
-    legend = ", ".join(f"`{k}`: {v}" for k, v in CONFIGS.items())
-    text, md = [head, legend], [head, "", legend + ".", ""]
     for ranks, workers in args.settings:
         group = [r for r in records if (r["ranks"], r["workers"]) == (ranks, workers)]
-        title = f"{ranks} rank(s) x {workers} workers"
-        text += ["", title, table(group, markdown=False)]
-        md += [f"# {title}", "", table(group, markdown=True), ""]  # report.py demotes it below its own
-    text.append(f"\ntotal wall {time.perf_counter() - t0:.0f} s")
-    print("\n".join(text))
-    with open(os.path.join(out, "bench_switch.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.join(out, "bench_switch.json"), "w") as f:
-        json.dump({"items": items, "shape": shape, "records": records}, f, indent=1)
-    print(f"results: {os.path.join(out, 'bench_switch.md')}")
+        rep.heading(f"{ranks} rank(s) x {workers} workers")
+        rep.table(table(group))
+    print(f"results: {rep.save(out, {'machine': machine, 'items': items, 'shape': shape, 'records': records})}",
+          file=sys.stderr)
     return 0
 
 

@@ -38,8 +38,6 @@ from typing import Any
 
 import harness
 
-from monai_cache.utils import format_table
-
 QUESTIONS: dict[str, dict[str, str]] = {
     "persistent": {
         "monai": "monai.data.PersistentDataset",
@@ -157,8 +155,10 @@ def run_config(spec: dict[str, Any], run_dir: str, shm_dir: str, ranks: int) -> 
     }
 
 
-def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work: str) -> dict[str, Any]:
-    """Every question's configurations, ``args.repeats`` times, interleaved; ``{question: {config: [runs]}}``."""
+def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work: str,
+            rep: harness.Report) -> dict[str, Any]:
+    """Every question's configurations, ``args.repeats`` times, interleaved, each run's line printed through ``rep``
+    as it ends; ``{question: {config: [runs]}}``."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {q: {c: [] for c in QUESTIONS[q]} for q in args.questions}
     base = os.environ.get("MONAI_CACHE_SHM_DIR") or "/dev/shm"
     for repeat in range(args.repeats):
@@ -182,8 +182,8 @@ def run_all(args: argparse.Namespace, data_list: str, crop: Sequence[int], work:
                 finally:
                     shutil.rmtree(shm_dir, ignore_errors=True)
                 runs[question][config].append(result)
-                print(f"  repeat {repeat + 1}/{args.repeats} {question:10s} {config:13s} first batch "
-                      f"{result['first_batch_s']:.2f} s, warm epoch {result['warm_epoch_s']:.2f} s", flush=True)
+                rep.line(f"  repeat {repeat + 1}/{args.repeats} {question:10s} {config:13s} first batch "
+                         f"{result['first_batch_s']:.2f} s, warm epoch {result['warm_epoch_s']:.2f} s")
     return runs
 
 
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--questions", type=lambda s: s.split(","), default=list(QUESTIONS),
                         help=f"comma-separated, of {','.join(QUESTIONS)}")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "monai-cache-bench-tiers"),
-                        help="the data, the caches, and bench_tiers.md and .json (the tables and the raw runs)")
+                        help="the data, the caches, and tiers.md (what was printed) and tiers.json (the raw runs)")
     args = parser.parse_args(argv)
     if args.rank_spec:
         rank_main(args.rank_spec)
@@ -254,31 +254,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(data_list, "w") as f:
         json.dump(files, f)
     crop = crop_size_for(shape)
-    print(f"bench_tiers: {items} volumes of {'x'.join(map(str, shape))}, {args.ranks} ranks x {args.workers} "
-          f"worker(s), batch {args.batch_size}, {args.epochs} epochs (warm: 2..{args.epochs}), median of "
-          f"{args.repeats}", flush=True)
-    runs = run_all(args, data_list, crop, args.out)
+    machine = harness.machine_info()
+    rep = harness.Report("tiers")
+    rep.machine(machine)
+    rep.line(f"{items} volumes of {'x'.join(map(str, shape))}, {args.ranks} ranks x {args.workers} worker(s), batch "
+             f"{args.batch_size}, {args.epochs} epochs (warm: 2..{args.epochs}), median of {args.repeats}; ratios "
+             f"against `{BASELINE}` in the same run")
+    runs = run_all(args, data_list, crop, args.out, rep)
     titles = {"persistent": "PersistentDataset with and without the shared-memory tier",
               "restart": "CacheDataset(cache_dir=...): a restart against a cold start"}
-    out = [f"{items} volumes of {'x'.join(map(str, shape))}, {args.ranks} ranks x {args.workers} worker(s), "
-           f"{args.epochs} epochs, median of {args.repeats}, load average {os.getloadavg()[0]:.1f} at the end; "
-           f"ratios against `{BASELINE}` in the same run.", ""]
     for question, by_config in runs.items():
-        out += [f"# {titles[question]}", ""]
-        out += [", ".join(f"`{c}`: {QUESTIONS[question][c]}" for c in by_config) + ".", ""]
-        out += [format_table(table(question, by_config), markdown=True), ""]
+        rep.heading(titles[question])
+        rep.line(", ".join(f"{c}: {QUESTIONS[question][c]}" for c in by_config) + ".")
+        rep.table(table(question, by_config))
         if question == "restart":
             cold, warm = (
                 harness.median(r["first_batch_s"] for r in by_config[c]) for c in ("ours-cold", "ours-restart")
             )
             if cold and warm:
-                out += [f"A restart reaches its first batch in {warm / cold:.2f}x the time of our cold start.", ""]
-    text = "\n".join(out)
-    print(text)
-    with open(os.path.join(args.out, "bench_tiers.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "bench_tiers.json"), "w") as f:
-        json.dump({"items": items, "shape": shape, "runs": runs}, f, indent=1)
+                rep.line(f"A restart reaches its first batch in {warm / cold:.2f}x the time of our cold start.")
+    machine["loadavg_end"] = list(os.getloadavg())
+    rep.line(f"\nLoad average at the end: {machine['loadavg_end'][0]:.1f}.")
+    rep.save(args.out, {"machine": machine, "items": items, "shape": shape, "runs": runs})
     return 0
 
 

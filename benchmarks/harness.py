@@ -524,6 +524,13 @@ class Report:
         text = format_table(rows, left)
         self.line(f"{title}\n{text}" if title else text)
 
+    def machine(self, info: dict[str, Any], at_end: bool = False) -> None:
+        """Print :func:`describe_machine` of ``info`` (from :func:`machine_info` at the start of the run); ``at_end``:
+        with the load average now as the one at the end (also set in ``info``)."""
+        if at_end:
+            info["loadavg_end"] = list(os.getloadavg())
+        self.line(describe_machine(info))
+
     def targets(self, checks: Iterable[tuple[bool, str]]) -> list[tuple[bool, str]]:
         """Print ``[ok]`` or ``[missed]`` before each check's text; returns the checks."""
         checks = list(checks)

@@ -6,7 +6,7 @@ It runs each suite through the one entry point (``python -m benchmarks <suite>``
 repository's root): ``cache`` (CacheDataset: time to first batch, epoch times, memory of all processes),
 ``persistent`` (PersistentDataset: bytes on disk, cold and warm epochs), ``sampler`` (ShardedDistributedSampler: hit
 rate, epoch time), ``scale`` (many small items; ``--quick``: 2,000 items, the full mode that suite's ``--quick``
-sizes; its 100,000-item run is run by hand, see docs/scale.md), ``warm`` (every epoch of MONAI, ours with MONAI's
+sizes; its full sizes, run by hand, see docs/scale.md), ``warm`` (every epoch of MONAI, ours with MONAI's
 DataLoader and ours with ours, volumes and small items; ``--quick``: one setting of that suite's ``--quick`` mode),
 ``smartcache`` (SmartCacheDataset, 2 ranks), ``tiers`` (PersistentDataset with and without the shared-memory tier; a
 restart of ``CacheDataset(cache_dir=...)``), ``restart`` (a rank's crash under ``torchrun --max-restarts=1``) and
@@ -57,8 +57,8 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         return [sys.executable, "-m", bench_dir.name, name, *args]
 
     cache = suite("cache", "--out", str(work / "cache"), "--no-progress")
-    persistent = suite("persistent", "--json", str(work / "persistent.json"))
-    sampler = suite("sampler")
+    persistent = suite("persistent", "--out", str(work / "persistent"))
+    sampler = suite("sampler", "--out", str(work / "sampler"))
     scale = suite("scale", "--out", str(work / "scale"))
     warm = suite("warm", "--out", str(work / "warm"))
     if quick:
@@ -77,7 +77,7 @@ def _commands(bench_dir: Path, work: Path, quick: bool) -> dict[str, list[str]]:
         scale += ["--quick"]
     smartcache = suite("smartcache", "--out", str(work / "smartcache"))
     tiers = suite("tiers", "--out", str(work / "tiers"))
-    restart = suite("restart")
+    restart = suite("restart", "--out", str(work / "restart"))
     switch = suite("switch", "--out", str(work / "switch"))
     if quick:
         smartcache += ["--quick", "--repeats", "1"]
@@ -343,17 +343,6 @@ def _clean_output(text: str) -> str:
     return "\n".join(lines).strip()
 
 
-def _demote_headings(text: str) -> str:
-    """Markdown output of a script, its headings moved below the report's (``#`` -> ``###``)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            line = "#" * min(6, level + 2) + line[level:]
-        out.append(line)
-    return "\n".join(out)
-
-
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m benchmarks report``."""
@@ -410,26 +399,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n=== {name}: {' '.join(cmds[name])}", file=sys.stderr if args.json else sys.stdout, flush=True)
             rc, output, seconds = run_benchmark(cmds[name], echo=not args.json, cwd=bench_dir.parent)
             r: dict[str, Any] = {"cmd": cmds[name], "rc": rc, "seconds": seconds, "output": output}
-            if name == "cache":
-                r["data"] = _read_json(work / "cache" / "cache.json")
-                md = work / "cache" / "cache.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-            elif name == "persistent":
-                r["data"] = _read_json(work / "persistent.json")
-            elif name in ("sampler", "restart") and rc == 0:
-                r["markdown"] = _demote_headings(_clean_output(output))
-            elif name == "scale":
-                r["data"] = _read_json(work / "scale" / "bench_scale.json")
-                md = work / "scale" / "report.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+            # every suite saves harness.Report's files: <suite>.md (what it printed) and <suite>.json
+            r["data"] = _read_json(work / name / f"{name}.json")
+            md = work / name / f"{name}.md"
+            r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
+            if name == "scale":
                 r["plot"] = work / "scale" / "bench_scale.png"
-            elif name == "warm":  # harness.Report's files: warm.md as printed, warm.json
-                r["data"] = _read_json(work / "warm" / "warm.json")
-                md = work / "warm" / "warm.md"
-                r["markdown"] = md.read_text() if rc == 0 and md.is_file() else None
-            elif name in ("smartcache", "tiers", "switch"):
-                md = work / name / f"bench_{name}.md"
-                r["markdown"] = _demote_headings(md.read_text()) if rc == 0 and md.is_file() else None
             if rc != 0:
                 failed.append(name)
                 print(f"report.py: {name} failed with exit status {rc}", file=sys.stderr)

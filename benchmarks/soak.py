@@ -29,7 +29,8 @@ Short form, as run by tests/reliability/test_soak.py::
 
     python -m benchmarks soak --epochs 3 --items 16 --item-kb 16 --private-shm --json soak.json
 
-Exit status 0 when every check passed, 1 otherwise; ``--json`` writes every measurement.
+Exit status 0 when every check passed, 1 otherwise; ``--json`` writes every measurement, ``--out`` ``soak.md`` (what
+was printed) and ``soak.json``.
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+import harness  # the benchmarks' shared helpers (its neighbour here)
 
 METRICS = ("fds", "segment_fds", "batch_fds", "maps", "shm_maps", "threads", "rss", "vm_rss")
 
@@ -199,12 +200,6 @@ def rank_main(spec_path: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------- launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _growth(series: list[int | None]) -> int | None:
     """Last epoch minus first epoch: a leak accumulates, so it shows at the end; a transient in between (a
     disk writer thread started for a write still in flight from epoch 1, gone 2 s later) does not count."""
@@ -277,14 +272,34 @@ def _fmt(row: dict, m: str) -> str:
     return f"{last} ({'+' if (g or 0) >= 0 else ''}{g})"
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'config':34} {'process':22} " + " ".join(f"{m:>14}" for m in METRICS) + "   (last epoch, growth)")
+def report(rep: harness.Report, rows: list[dict], summary: dict[str, Any], failures: list[str]) -> None:
+    """The table of every process's last epoch and growth, and the checks."""
+    rep.heading("Every process: the last epoch, and the growth after the first (in brackets)")
+    table = [["config", "process", *METRICS]]
+    shm_lines = []
     for row in rows:
         if "shm" in row:
-            print(f"{row['config']:34} {row['process']:22} {row['shm'][-1]} bytes (growth {row['shm_growth']}), "
-                  f"{row['segments'][-1]} segments")
+            shm_lines.append(f"{row['config']}: shared memory {row['shm'][-1]} bytes (growth {row['shm_growth']}), "
+                             f"{row['segments'][-1]} segments")
             continue
-        print(f"{row['config']:34} {row['process']:22} " + " ".join(f"{_fmt(row, m):>14}" for m in METRICS))
+        table.append([row["config"], row["process"], *(_fmt(row, m) for m in METRICS)])
+    if len(table) > 1:
+        rep.table(table, left=2)
+    rep.line("\n".join(shm_lines))
+    rep.heading("Checks")
+    kinds = (
+        ("the ranks ran to the end", ("rank exit codes", "did not finish", "missing rank results")),
+        (f"every item read back as written ({summary['items_checked']} checked)", ("wrong items",)),
+        ("nothing grows after the first epoch (descriptors, threads, maps, memory, shared memory, segments)",
+         ("grew by", "more segment descriptors")),
+        ("nothing left behind (shared memory, temporary files)", ("left in", "temporary files")),
+    )  # fmt: skip
+    checks = []
+    for text, marks in kinds:
+        mine = [f for f in failures if any(m in f for m in marks)]
+        checks.append((not mine, text + "".join(f"\n    {f}" for f in mine)))
+    rep.targets(checks)
+    rep.line(f"{summary['seconds']} s; largest growth per metric: {summary['max_growth']}")
 
 
 def _reexec_private(argv: list[str], size: str) -> int | None:
@@ -323,34 +338,17 @@ def launch(args: argparse.Namespace) -> int:
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    port = _free_port()
-    procs = []
-    t0 = time.monotonic()
-    for r in range(args.ranks):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), MONAI_CACHE_SHM_DIR=shm_dir, OMP_NUM_THREADS="1")
-        log = open(os.path.join(work, f"rank{r}.log"), "w")  # closed once the rank has exited
-        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-main", spec_path],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
     failures: list[str] = []
-    deadline = time.monotonic() + args.timeout
-    for p, log in procs:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            failures.append(f"rank pid {p.pid} did not finish within {args.timeout} s")
-        log.close()
-    for p, _ in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
+    machine = harness.machine_info()
+    t0 = time.monotonic()
+    env = dict(os.environ, MONAI_CACHE_SHM_DIR=shm_dir, OMP_NUM_THREADS="1")
+    try:  # ranks started like torchrun; rank<r>.log in work
+        harness.run_ranks([os.path.abspath(__file__), "--rank-main", spec_path], args.ranks, work, env=env,
+                          timeout=args.timeout)  # fmt: skip
+    except RuntimeError as e:  # a rank failed or did not finish: its log's end is in the message
+        failures.append(f"rank exit codes or timeout: {str(e).splitlines()[0]}")
+        print(e, file=sys.stderr)
     seconds = time.monotonic() - t0
-    codes = [p.returncode for p, _ in procs]
-    if any(codes):
-        failures.append(f"rank exit codes {codes}")
-        for r in range(args.ranks):
-            with open(os.path.join(work, f"rank{r}.log")) as f:
-                print(f"--- rank {r} log (tail) ---\n" + f.read()[-3000:], file=sys.stderr)
     ranks = []
     for r in range(args.ranks):
         with contextlib.suppress(FileNotFoundError):
@@ -383,8 +381,14 @@ def launch(args: argparse.Namespace) -> int:
         "max_growth": {m: max((row.get(f"{m}_growth") or 0 for row in rows if "shm" not in row), default=0)
                        for m in METRICS},
     }
-    print_table(rows)
-    print(json.dumps(summary, indent=1))
+    rep = harness.Report("soak")
+    rep.machine(machine, at_end=True)
+    rep.line(f"{args.ranks} ranks x {args.workers} DataLoader workers, {args.epochs} epochs, {args.items} + "
+             f"{args.items} items ({args.item_kb} KiB), configurations {', '.join(summary['configs'])}; private "
+             f"/dev/shm: {summary['private_shm']}")
+    report(rep, rows, summary, failures)
+    if args.out:
+        rep.save(args.out, {"machine": machine, "summary": summary, "rows": rows, "ranks": ranks})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "rows": rows, "ranks": ranks}, f, indent=1)
@@ -415,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run in a private mount namespace with a fresh /dev/shm (root; falls back if impossible)")
     parser.add_argument("--shm-size", default="2g", help="size of the private /dev/shm")
     parser.add_argument("--json", default=None, help="write all measurements here")
+    parser.add_argument("--out", default=None, help="write soak.md (what was printed) and soak.json here")
     parser.add_argument("--in-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.private_shm and not args.in_namespace:

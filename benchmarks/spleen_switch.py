@@ -18,6 +18,8 @@ stock's. Usage::
 
     python -m benchmarks spleen-switch                 # 16 volumes of 160x160x96, 4 epochs, 3 repeats
     python -m benchmarks spleen-switch --items 8 --shape 96x96x64 --repeats 1
+
+``--out``: ``spleen-switch.md`` (what was printed) and ``spleen-switch.json`` (with the machine).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
+
+import harness  # the benchmarks' shared helpers (its neighbour here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {
@@ -86,6 +89,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "monai_cache_spleen_switch"))
+    parser.add_argument("--out", default=None, help="write spleen-switch.md (what was printed) and .json here")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,17 +97,19 @@ def main() -> None:
         with open(script, "w") as f:
             f.write(SCRIPT.format(scripts=os.path.join(REPO, "tests", "_scripts"), data=args.data, items=args.items,
                                   shape=shape, epochs=args.epochs))
-        print(f"spleen_switch: {args.items} volumes of {args.shape}, {args.epochs} epochs, {args.repeats} repeats, "
-              f"load average {os.getloadavg()[0]:.1f} at the start", flush=True)
+        rep, machine = harness.Report("spleen-switch"), harness.machine_info()
+        rep.line(f"spleen_switch: {args.items} volumes of {args.shape}, {args.epochs} epochs, {args.repeats} repeats, "
+                 f"load average {os.getloadavg()[0]:.1f} at the start")
         ratios: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in RUNS if k != "stock"}
         same: dict[str, bool] = {k: True for k in ratios}
-        order = list(RUNS)
+        runs = []
         for repeat in range(args.repeats):
             results = {}
-            for kind in order[repeat % 3 :] + order[: repeat % 3]:
+            for kind in harness.rotated(list(RUNS), repeat):
                 results[kind] = run(kind, script)
                 epochs = ", ".join(f"{w:.2f} s / {c:.2f} CPU s" for w, c in results[kind]["epochs"])
-                print(f"repeat {repeat + 1} {kind:8s} ({results[kind]['loader']}): {epochs}", flush=True)
+                rep.line(f"repeat {repeat + 1} {kind:8s} ({results[kind]['loader']}): {epochs}")
+            runs.append(results)
             stock = results["stock"]["epochs"][1:]
             for kind in ratios:
                 warm = results[kind]["epochs"][1:]
@@ -113,8 +119,10 @@ def main() -> None:
         for kind, r in ratios.items():
             walls = ", ".join(f"{x:.2f}" for x in r["wall"])
             cpus = ", ".join(f"{x:.2f}" for x in r["cpu"])
-            print(f"{kind}: warm epochs {statistics.median(r['wall']):.2f}x stock's wall (per repeat {walls}), "
-                  f"{statistics.median(r['cpu']):.2f}x its CPU ({cpus}); same batches: {same[kind]}")
+            rep.line(f"{kind}: warm epochs {harness.median(r['wall']):.2f}x stock's wall (per repeat {walls}), "
+                     f"{harness.median(r['cpu']):.2f}x its CPU ({cpus}); same batches: {same[kind]}")
+        if args.out:
+            rep.save(args.out, {"machine": machine, "runs": runs, "ratios": ratios, "same": same})
 
 
 if __name__ == "__main__":

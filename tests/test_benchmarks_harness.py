@@ -116,12 +116,29 @@ def test_one_entry_point_runs_every_suite(capsys):
     for suite, (module, _what) in entry.SUITES.items():
         assert suite in listed and module in scripts, suite
         assert callable(importlib.import_module(module).main), module
-    # every script of benchmarks/ is a suite, the harness they share, or a rank script a suite starts
-    assert scripts - {m for m, _w in entry.SUITES.values()} == {"__init__", "__main__", "harness", "large_item"}
+    # every script of benchmarks/ is a suite or the harness they share (a suite's rank script is the suite itself)
+    assert scripts - {m for m, _w in entry.SUITES.values()} == {"__init__", "__main__", "harness"}
     with pytest.raises(SystemExit) as exited:
         entry.main(["spleen-switch", "--help"])
     assert exited.value.code == 0 and "--repeats" in capsys.readouterr().out
     assert entry.main(["no-such-suite"]) == 2
+
+
+def test_every_suite_prints_through_the_report(capsys, monkeypatch):
+    """One report format: every suite saves what it printed with ``--out`` (harness.Report; the report suite writes
+    docs/benchmarks.md from theirs), and none keeps a copy of the harness's helpers."""
+    entry = importlib.import_module("benchmarks.__main__")
+    for suite, (module, _what) in entry.SUITES.items():
+        monkeypatch.setattr(sys, "argv", [module, "--help"])
+        with pytest.raises(SystemExit) as exited:
+            importlib.import_module(module).main()
+        shown = capsys.readouterr().out
+        assert exited.value.code == 0 and ("--out" in shown or module == "report"), suite  # report: --docs-dir
+        with open(os.path.join(BENCHMARKS, f"{module}.py")) as f:
+            source = f.read()
+        assert "harness.Report(" in source or module == "report", suite
+        for copy in ("def median(", "def free_port(", "def _free_port(", "def cpu_seconds(", "statistics.median("):
+            assert copy not in source, (suite, copy)
 
 
 def test_report_saves_what_it_printed(tmp_path, capsys):

@@ -53,24 +53,26 @@ _STUBS = {
         print("cache table")
     """,
     "persistent": """
-        import json, sys
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
         json.dump({"bytes": {"nii.gz": 100000, "monai": 400000, "ours_default": 90000,
                    "variants": [{"variant": "zstd-3", "bytes": 80000}]}},
-                  open(sys.argv[sys.argv.index("--json") + 1], "w"))
-        print("## Bytes on disk per item")
+                  open(os.path.join(out, "persistent.json"), "w"))
+        open(os.path.join(out, "persistent.md"), "w").write("### Bytes on disk per item\\n")
     """,
     "sampler": """
-        print("# sampler benchmark")
-        print("| kind | hit rate |")
-        print("|---|---|")
-        print("| ours | 100% |")
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, "sampler.md"), "w").write("### sampler benchmark\\n\\n| kind | hit rate |\\n")
     """,
     "scale": """
         import json, os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        json.dump({"rows": [], "large": []}, open(os.path.join(out, "bench_scale.json"), "w"))
-        open(os.path.join(out, "report.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
+        json.dump({"rows": [], "large": []}, open(os.path.join(out, "scale.json"), "w"))
+        open(os.path.join(out, "scale.md"), "w").write("| dataset | items |\\n|---|---:|\\n| ours-cache | 2,000 |\\n")
         import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
         plt.plot([1, 2]); plt.savefig(os.path.join(out, "bench_scale.png"))
     """,
@@ -78,26 +80,27 @@ _STUBS = {
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, "bench_smartcache.md"), "w").write("| smart | epoch |\\n|---|---:|\\n| ours | 1 |\\n")
+        open(os.path.join(out, "smartcache.md"), "w").write("| smart | epoch |\\n|---|---:|\\n| ours | 1 |\\n")
     """,
     "tiers": """
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, "bench_tiers.md"), "w").write("# restart\\n\\n| tier | first batch |\\n")
+        open(os.path.join(out, "tiers.md"), "w").write("### restart\\n\\n| tier | first batch |\\n")
     """,
     "restart": """
-        print("# 8 volumes")
-        print("| | crash -> first batch after the restart, s |")
-        print("|---|---:|")
-        print("| monai_cache | 2.00 |")
+        import os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        table = "8 volumes\\n| | crash -> first batch after the restart, s |\\n|---|---:|\\n| monai_cache | 2.00 |\\n"
+        open(os.path.join(out, "restart.md"), "w").write(table)
     """,
     "switch": """
         import os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
         table = "| | stock | switch |\\n|---|---:|---:|\\n| warm | 1 |\\n"
-        open(os.path.join(out, "bench_switch.md"), "w").write(table)
+        open(os.path.join(out, "switch.md"), "w").write(table)
     """,
     "warm": """
         import os, sys

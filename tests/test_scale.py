@@ -396,14 +396,15 @@ def test_disk_overhead_per_16k_entry(disk_dirs, name):
 # ------------------------------------------------------------------------------------------- a large item
 LARGE = 256 << 20
 
-LARGE_SCRIPT = os.path.join(ROOT, "benchmarks", "large_item.py")  # shared with bench_scale.py
+SCALE_SUITE = os.path.join(ROOT, "benchmarks", "bench_scale.py")  # --large: one large item in a process of its own
 
 
 @pytest.mark.parametrize("mode", ["shm", "raw", "zstd", "zstd-downcast"])
 def test_large_item_peak_memory(mode, shm_dir, tmp_path):
     where = shm_dir if mode == "shm" else str(tmp_path)
     out = subprocess.run(
-        [sys.executable, LARGE_SCRIPT, mode, str(LARGE), where], capture_output=True, text=True, timeout=300, env=ENV,
+        [sys.executable, SCALE_SUITE, "--large", mode, str(LARGE), where],
+        capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert out.returncode == 0, out.stderr
     import json
