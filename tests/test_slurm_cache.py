@@ -7,6 +7,7 @@ runs under proctrack/linuxproc too. Skipped where Slurm cannot run (tests/test_s
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -32,10 +33,16 @@ def _cluster(proctrack: str):
     """A cluster whose jobs keep their caches in a directory of its own, with monai_cache's epilog."""
     shm = tempfile.mkdtemp(prefix="mc-test-slurm-", dir="/dev/shm")
     epilog_dir = tempfile.mkdtemp(prefix="mcsc-", dir="/tmp")
-    epilog = os.path.join(epilog_dir, "epilog.sh")  # Slurm runs it as root with its own environment: name the directory
+    # Slurm runs it as root with an environment of its own: name the directory, and the package under test (the
+    # console script beside this interpreter, not a shim on PATH; PYTHONPATH, not whatever is installed)
+    epilog = os.path.join(epilog_dir, "epilog.sh")
+    program = os.path.join(os.path.dirname(sys.executable), "monai-cache-epilog")
+    program = program if os.path.exists(program) else shutil.which("monai-cache-epilog")
     with open(epilog, "w") as f:
-        program = shutil.which("monai-cache-epilog")
-        f.write(f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} exec {program} >>{epilog_dir}/epilog.log 2>&1\n")
+        f.write(
+            f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} PYTHONPATH={shlex.quote(os.pathsep.join(sys.path))} "
+            f"exec {program} >>{epilog_dir}/epilog.log 2>&1\n"
+        )
     os.chmod(epilog, 0o755)
     try:
         with temporary_cluster(proctrack, kill_wait=2, epilog=epilog) as cluster:
