@@ -166,11 +166,13 @@ def test_requeued_job_with_keep_alive_computes_nothing_again(slurm, tmp_path):
 
 def test_srun_monai_cache_run_swaps_the_classes_in_every_task(slurm, tmp_path):
     """srun -n 2 monai-cache run -- python stock.py: a stock script (monai.data.CacheDataset) computes each item once
-    for the node."""
+    for the node. Each task waits for the other to hold the cache before reading it, as a process group's first
+    collective would: otherwise a loaded machine may start one task after the other left, and the cache with it."""
     log = tmp_path / "calls"
     stock = tmp_path / "stock.py"
     stock.write_text(
         textwrap.dedent(f"""
+        import os, time
         import monai.data, monai.transforms as mt, numpy as np
         class Counted(mt.MapTransform):
             def __call__(self, d):
@@ -180,6 +182,9 @@ def test_srun_monai_cache_run_swaps_the_classes_in_every_task(slurm, tmp_path):
         ds = monai.data.CacheDataset(data, mt.Compose([Counted(keys="image"), mt.RandFlipd(keys="image", prob=0.5)]),
                                      runtime_cache=True, progress=False)
         assert type(ds).__module__.startswith("monai_cache"), type(ds)
+        open({str(log)!r} + ".joined." + os.environ["SLURM_PROCID"], "w").close()
+        while not all(os.path.exists({str(log)!r} + f".joined.{{task}}") for task in range(2)):
+            time.sleep(0.05)
         for _ in monai.data.DataLoader(ds, batch_size=2, num_workers=1):
             pass
     """)
