@@ -117,7 +117,9 @@ ENDINGS = {  # how a job is ended once its tasks (ranks) trained an epoch -> the
     "one-task-killed": "FAILED",  # SIGKILL to task (rank) 0; srun lets task 1 go on, torchrun's agent stops rank 1
 }
 ALL = list(range(ITEMS))  # each item computed once
-TWO_TASKS = ("normal", "one-task-killed")  # where the count matters (the last to leave; the others); one elsewhere
+# where the count of tasks (ranks) matters, two: srun's normal end (the last task to leave removes the cache; under
+# torchrun the keeper does, whatever the count) and one task killed (the others); one elsewhere
+TWO_TASKS = (("srun", "normal"), ("srun", "one-task-killed"), ("torchrun", "one-task-killed"))
 
 
 @dataclass
@@ -139,7 +141,7 @@ class Ending:
 
     @property
     def tasks(self) -> int:
-        return 2 if self.ending in TWO_TASKS else 1
+        return 2 if (self.launcher, self.ending) in TWO_TASKS else 1
 
     @property
     def shm(self) -> str:
