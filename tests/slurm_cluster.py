@@ -296,11 +296,13 @@ def start_cluster(
     timeout: float = 60,
     debug: str = "info",
     epilog: str | None = None,
+    cpus: int | None = None,
 ) -> SlurmCluster:
     """Start munged, slurmctld and slurmd for a one-node cluster whose files all live under ``workdir`` (made if
     missing; keep its path short: unix sockets are made under it) and wait until sinfo shows the node idle.
     ``proctrack``: "cgroup" (cgroup/v1, freezer) or "linuxproc" (the process tree); ``debug``: the daemons' log
-    level (info, verbose, debug, debug2...); ``epilog``: a program for slurm.conf's ``Epilog=``. Raises
+    level (info, verbose, debug, debug2...); ``epilog``: a program for slurm.conf's ``Epilog=``; ``cpus``: the node's
+    CPUs as Slurm counts them (default the machine's; more lets that many one-CPU tasks run at once). Raises
     SlurmUnavailable (the daemons then stopped) if it cannot. The caller stops it with ``cluster.stop()``."""
     if proctrack not in ("cgroup", "linuxproc", "pgid"):
         raise ValueError(f"proctrack: {proctrack!r}")
@@ -338,7 +340,7 @@ def start_cluster(
         cluster.conf.write_text(
             slurm_conf(
                 nodename=nodename,
-                cpus=os.cpu_count() or 1,
+                cpus=cpus or os.cpu_count() or 1,
                 ports=tuple(free_ports(2)),
                 workdir=workdir,
                 munge_socket=munge_socket,

@@ -2,7 +2,8 @@
 (SIGTERM, then SIGKILL after KillWait), and which processes a step's end kills under proctrack/cgroup and under
 proctrack/linuxproc. Skipped where Slurm and munge are not installed (``apt-get install slurm-wlm munge``; .ci/run
 installs them) or cannot run here (not root, no cgroup v1 freezer); MONAI_CACHE_REQUIRE_SLURM=1 makes that a
-failure instead. The daemons start once per module for each proctrack plugin (well under a second here)."""
+failure instead (.ci/run sets it wherever Slurm is installed). The daemons start once per module for each proctrack
+plugin (well under a second here)."""
 
 from __future__ import annotations
 

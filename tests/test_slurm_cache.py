@@ -1,17 +1,22 @@
 """monai_cache under a real one-node Slurm (tests/slurm_cluster.py): however a job ends, nothing is left in its
 shared-memory directory; a requeued job with keep_alive computes nothing again; ``srun monai-cache run --`` swaps
 MONAI's classes in every task. Each job counts the computations of its items (tests/_scripts/slurm_train.py) and the
-directory is listed after it. The cluster runs proctrack/cgroup with ``Epilog=monai-cache-epilog``; the scancel case
-runs under proctrack/linuxproc too. Skipped where Slurm cannot run (tests/test_slurm.py says why)."""
+directory is listed after it. Two clusters: proctrack/cgroup with ``Epilog=monai-cache-epilog``, and
+proctrack/linuxproc with no epilog (there the cache's own processes suffice). Skipped where Slurm cannot run
+(tests/test_slurm.py says why)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from slurm_cluster import missing_commands, temporary_cluster
@@ -28,41 +33,54 @@ pytestmark = [
 ]
 
 
-def _cluster(proctrack: str):
-    """A cluster whose jobs keep their caches in a directory of its own, with monai_cache's epilog."""
+def _cluster(proctrack: str, epilog: bool):
+    """A cluster whose jobs keep their caches in a directory of its own (``cluster.shm``; a job that exports
+    ``MONAI_CACHE_SHM_DIR=<cluster.jobs_shm>/$SLURM_JOB_ID``, in one of its own), with monai_cache's epilog given the
+    job's directory if ``epilog``, and CPUs for the jobs of :func:`test_every_ending_leaves_nothing` to run at once."""
     shm = tempfile.mkdtemp(prefix="mc-test-slurm-", dir="/dev/shm")
+    jobs_shm = tempfile.mkdtemp(prefix="mc-test-slurm-jobs-", dir="/dev/shm")
     epilog_dir = tempfile.mkdtemp(prefix="mcsc-", dir="/tmp")
-    epilog = os.path.join(epilog_dir, "epilog.sh")  # Slurm runs it as root with its own environment: name the directory
-    with open(epilog, "w") as f:
-        program = shutil.which("monai-cache-epilog")
-        f.write(f"#!/bin/sh\nMONAI_CACHE_SHM_DIR={shm} exec {program} >>{epilog_dir}/epilog.log 2>&1\n")
-    os.chmod(epilog, 0o755)
+    # Slurm runs it as root with an environment of its own: name the directory, and the package under test (the
+    # console script beside this interpreter, not a shim on PATH; PYTHONPATH, not whatever is installed)
+    script = os.path.join(epilog_dir, "epilog.sh")
+    program = os.path.join(os.path.dirname(sys.executable), "monai-cache-epilog")
+    program = program if os.path.exists(program) else shutil.which("monai-cache-epilog")
+    with open(script, "w") as f:
+        f.write(
+            f'#!/bin/sh\nd={jobs_shm}/$SLURM_JOB_ID; [ -d "$d" ] || d={shm}\n'
+            f"MONAI_CACHE_SHM_DIR=$d PYTHONPATH={shlex.quote(os.pathsep.join(sys.path))} "
+            f"exec {program} >>{epilog_dir}/epilog.log 2>&1\n"
+        )
+    os.chmod(script, 0o755)
     try:
-        with temporary_cluster(proctrack, kill_wait=2, epilog=epilog) as cluster:
+        with temporary_cluster(proctrack, kill_wait=2, epilog=script if epilog else None, cpus=64) as cluster:
             cluster.env.update({"MONAI_CACHE_SHM_DIR": shm, "PYTHONPATH": os.pathsep.join(sys.path)})
-            cluster.shm = shm  # type: ignore[attr-defined]
+            cluster.shm, cluster.jobs_shm = shm, jobs_shm  # type: ignore[attr-defined]
             yield cluster
     finally:
         shutil.rmtree(epilog_dir, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(jobs_shm, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def slurm():
-    yield from _cluster("cgroup")
+    yield from _cluster("cgroup", epilog=True)
 
 
 @pytest.fixture(scope="module")
 def slurm_linuxproc():
-    yield from _cluster("linuxproc")
+    yield from _cluster("linuxproc", epilog=False)
 
 
-def left(cluster) -> list[str]:
-    """What the jobs left in their shared-memory directory (not the per-user root and its lock file)."""
+def left(cluster, directory: str | None = None) -> list[str]:
+    """What the jobs left in a shared-memory directory (default ``cluster.shm``), less the per-user root and its
+    lock file."""
+    directory = directory or cluster.shm
     root = f"monai_cache-{os.getuid()}"
     out = []
-    for d, dirs, files in os.walk(cluster.shm):
-        out += [os.path.relpath(os.path.join(d, n), cluster.shm) for n in dirs + files]
+    for d, dirs, files in os.walk(directory):
+        out += [os.path.relpath(os.path.join(d, n), directory) for n in dirs + files]
     return sorted(p for p in out if p not in (root, os.path.join(root, ".lock")))
 
 
@@ -84,48 +102,123 @@ def sbatch(cluster, tmp_path, name: str, body: str, *options: str) -> str:
     return out.stdout.strip().split(";")[0]
 
 
-def test_srun_tasks_end_normally_and_leave_nothing(slurm, tmp_path):
-    log = str(tmp_path / "calls")
-    out = slurm.run("srun", "-n", "2", sys.executable, TRAIN, log, "once", timeout=180, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert calls(log) == list(range(ITEMS))  # 2 tasks, 8 computations: one cache for the node
-    assert left(slurm) == []
+def job_states(cluster) -> dict[str, str]:
+    """The state of each job slurmctld remembers (those running, and those ended within MinJobAge: 60 s)."""
+    out = cluster.run("squeue", "-h", "-t", "all", "-o", "%i %T", timeout=15).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
 
 
-@pytest.mark.parametrize("signal_name", ["TERM", "KILL"])
-def test_scancel_leaves_nothing(slurm, tmp_path, signal_name):
-    """scancel (what a time limit does too: SIGTERM, then SIGKILL): the watcher removes the cache once the tasks are
-    dead. ``scancel --signal=KILL --full``: every process of the job at once, the watcher too: Slurm's Epilog runs
-    monai-cache-epilog, which removes the job's cache."""
-    log = str(tmp_path / "calls")
-    job = sbatch(slurm, tmp_path, "train", f"srun -n 2 {sys.executable} {TRAIN} {log} forever\n", "-n", "2")
-    wait_until(lambda: os.path.exists(f"{log}.ready.0") and os.path.exists(f"{log}.ready.1"), "the job trained")
-    assert [p for p in left(slurm) if p.endswith("/lease")], left(slurm)
-    args = ["--full", "--signal=KILL"] if signal_name == "KILL" else []
-    slurm.run("scancel", *args, job)
-    assert slurm.wait_jobs_gone([job], timeout=30), slurm.logs()
-    wait_until(lambda: left(slurm) == [], f"left after scancel: {left(slurm)}", timeout=15)
-    assert calls(log) == list(range(ITEMS))
+JOBS_AT_ONCE = 6  # in training at a time: the machine's CPUs are busy with fewer (each task imports torch and MONAI)
+ENDINGS = {  # how a job is ended once its tasks (ranks) trained an epoch -> the state Slurm gives it
+    "normal": "COMPLETED",  # the tasks end their epoch and return
+    "scancel": "CANCELLED",  # SIGTERM to every process of the job, SIGKILL 5 s later
+    "scancel-kill-full": "CANCELLED",  # scancel --full --signal=KILL: every process at once, through the proctrack
+    "time-limit": "TIMEOUT",  # Slurm's own time limit: SIGTERM, then SIGKILL
+    "one-task-killed": "FAILED",  # SIGKILL to task (rank) 0; srun lets task 1 go on, torchrun's agent stops rank 1
+}
+ALL = list(range(ITEMS))  # each item computed once
+# where the count of tasks (ranks) matters, two: srun's normal end (the last task to leave removes the cache; under
+# torchrun the keeper does, whatever the count) and one task killed (the others); one elsewhere
+TWO_TASKS = (("srun", "normal"), ("srun", "one-task-killed"), ("torchrun", "one-task-killed"))
 
 
-def test_scancel_under_linuxproc_leaves_nothing(slurm_linuxproc, tmp_path):
-    log = str(tmp_path / "calls")
-    job = sbatch(slurm_linuxproc, tmp_path, "train", f"srun -n 2 {sys.executable} {TRAIN} {log} forever\n", "-n", "2")
-    wait_until(lambda: os.path.exists(f"{log}.ready.0") and os.path.exists(f"{log}.ready.1"), "the job trained")
-    slurm_linuxproc.run("scancel", job)
-    assert slurm_linuxproc.wait_jobs_gone([job], timeout=30), slurm_linuxproc.logs()
-    wait_until(lambda: left(slurm_linuxproc) == [], f"left: {left(slurm_linuxproc)}", timeout=15)
+@dataclass
+class Ending:
+    """One job of :func:`test_every_ending_leaves_nothing`: ``srun -n T python train.py`` (launcher "srun") or
+    ``srun -n 1 torchrun --nproc-per-node=T train.py`` ("torchrun"), T tasks (ranks) training until it is ended."""
+
+    cluster: Any
+    launcher: str
+    ending: str
+    log: str
+    job: str = ""
+    ended: bool = False
+    held: bool = False  # whether its directory held a cache (a lease) when it was ended
+
+    @property
+    def name(self) -> str:
+        return f"{self.cluster.proctrack}/{self.launcher}/{self.ending}"
+
+    @property
+    def tasks(self) -> int:
+        return 2 if (self.launcher, self.ending) in TWO_TASKS else 1
+
+    @property
+    def shm(self) -> str:
+        return os.path.join(self.cluster.jobs_shm, self.job)
+
+    def submit(self, tmp_path) -> None:
+        """sbatch the job; it caches in ``<cluster.jobs_shm>/<job id>``."""
+        if self.launcher == "srun":
+            srun = f"srun -n {self.tasks} {sys.executable}"
+        else:
+            srun = f"srun -n 1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node={self.tasks}"
+        body = f"""\
+            export MONAI_CACHE_SHM_DIR={self.cluster.jobs_shm}/$SLURM_JOB_ID
+            mkdir -p $MONAI_CACHE_SHM_DIR
+            {srun} {TRAIN} {self.log} until
+        """
+        cpus = self.tasks if self.launcher == "srun" else 1
+        self.job = sbatch(self.cluster, tmp_path, os.path.basename(self.log), body, "-n", str(cpus))
+
+    def ready(self) -> bool:
+        return all(os.path.exists(f"{self.log}.ready.{task}") for task in range(self.tasks))
+
+    def end(self) -> None:
+        """End the job as ``ending`` says."""
+        self.held = any(path.endswith("/lease") for path in left(self.cluster, self.shm))
+        if self.ending == "normal":
+            open(f"{self.log}.finish", "w").close()
+        elif self.ending == "scancel":
+            self.cluster.run("scancel", self.job)
+        elif self.ending == "scancel-kill-full":
+            self.cluster.run("scancel", "--full", "--signal=KILL", self.job)
+        elif self.ending == "time-limit":  # a limit already passed: slurmctld times it out at its next look
+            self.cluster.run("scontrol", "update", f"JobId={self.job}", "TimeLimit=0")
+        else:
+            os.kill(int(open(f"{self.log}.ready.0").read()), signal.SIGKILL)
+            if self.launcher == "srun":  # KillOnBadExit=0: task 1 goes on; let it end its epoch
+                open(f"{self.log}.finish", "w").close()
+        self.ended = True
 
 
-def test_torchrun_inside_srun_leaves_nothing(slurm, tmp_path):
-    """srun -n 1 torchrun --nproc-per-node=2: the keeper holds the cache while torchrun's agent lives; the step's end
-    kills it under proctrack/cgroup, and the epilog removes what it held."""
-    log = str(tmp_path / "calls")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    out = slurm.run("srun", "-n", "1", *torchrun, TRAIN, log, "once", timeout=240, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert calls(log) == list(range(ITEMS))
-    wait_until(lambda: slurm.wait_jobs_gone(timeout=1) and left(slurm) == [], f"left: {left(slurm)}", timeout=20)
+def test_every_ending_leaves_nothing(slurm, slurm_linuxproc, tmp_path):
+    """Every way a job ends (ENDINGS), with srun's tasks and with torchrun inside srun, under proctrack/cgroup (with
+    the epilog) and proctrack/linuxproc (without): 20 jobs, each with a shared-memory directory of its own, two tasks
+    (ranks) where their count matters (TWO_TASKS), one elsewhere. Each computes the 8 items once and holds the cache
+    when it is ended; after each, Slurm's record says how it ended and its directory is empty.
+    ``time-limit``: the job's limit is set to 0 once it trained, and slurmctld ends it for its time limit (TIMEOUT)
+    at its next look (every 30 s, src/slurmctld/controller.c: PERIODIC_TIMEOUT); those jobs go first, and the others
+    run meanwhile."""
+    runs = [
+        Ending(cluster, launcher, ending, str(tmp_path / f"{cluster.proctrack}-{launcher}-{ending}"))
+        for ending in sorted(ENDINGS, key=lambda e: e != "time-limit")
+        for launcher in ("srun", "torchrun")
+        for cluster in (slurm, slurm_linuxproc)
+    ]
+    waiting, states = list(runs), {}
+    deadline = time.monotonic() + 300  # a hang guard
+    while len(states) < len(runs):
+        assert time.monotonic() < deadline, [run.name for run in runs if run.name not in states]
+        while waiting and sum(bool(run.job) and not run.ended for run in runs) < JOBS_AT_ONCE:
+            waiting.pop(0).submit(tmp_path)
+        for run in runs:
+            if run.job and not run.ended and run.ready():
+                run.end()
+        for cluster in (slurm, slurm_linuxproc):
+            watched = [run for run in runs if run.cluster is cluster and run.job and run.name not in states]
+            now = job_states(cluster) if watched else {}
+            for run in watched:
+                if now.get(run.job) not in (None, "PENDING", "RUNNING", "COMPLETING"):
+                    states[run.name] = now[run.job]  # ended, its epilog done (or failed before it was ended)
+                    run.ended = True
+        time.sleep(0.5)
+    deadline = time.monotonic() + 15  # a watcher or keeper may still be at work after its job's end
+    while any(left(run.cluster, run.shm) for run in runs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    outcome = {run.name: (states[run.name], calls(run.log), run.held, left(run.cluster, run.shm)) for run in runs}
+    wrong = {run.name: outcome[run.name] for run in runs if outcome[run.name] != (ENDINGS[run.ending], ALL, True, [])}
+    assert not wrong, f"(state, computations, held a cache, left) of {len(wrong)} of {len(runs)} jobs: {wrong}"
 
 
 def test_torchrun_restart_inside_srun_finds_the_cache(slurm, tmp_path):
@@ -159,11 +252,13 @@ def test_requeued_job_with_keep_alive_computes_nothing_again(slurm, tmp_path):
 
 def test_srun_monai_cache_run_swaps_the_classes_in_every_task(slurm, tmp_path):
     """srun -n 2 monai-cache run -- python stock.py: a stock script (monai.data.CacheDataset) computes each item once
-    for the node."""
+    for the node. Each task waits for the other to hold the cache before reading it, as a process group's first
+    collective would: otherwise a loaded machine may start one task after the other left, and the cache with it."""
     log = tmp_path / "calls"
     stock = tmp_path / "stock.py"
     stock.write_text(
         textwrap.dedent(f"""
+        import os, time
         import monai.data, monai.transforms as mt, numpy as np
         class Counted(mt.MapTransform):
             def __call__(self, d):
@@ -173,6 +268,9 @@ def test_srun_monai_cache_run_swaps_the_classes_in_every_task(slurm, tmp_path):
         ds = monai.data.CacheDataset(data, mt.Compose([Counted(keys="image"), mt.RandFlipd(keys="image", prob=0.5)]),
                                      runtime_cache=True, progress=False)
         assert type(ds).__module__.startswith("monai_cache"), type(ds)
+        open({str(log)!r} + ".joined." + os.environ["SLURM_PROCID"], "w").close()
+        while not all(os.path.exists({str(log)!r} + f".joined.{{task}}") for task in range(2)):
+            time.sleep(0.05)
         for _ in monai.data.DataLoader(ds, batch_size=2, num_workers=1):
             pass
     """)

@@ -4,8 +4,10 @@ log, so a test counts them across tasks and jobs. No process group: the tasks of
 shared memory, which is what is tested.
 
 argv: calls_log mode, mode ``once`` (one epoch, then a normal end), ``crash-once`` (as once, but under torchrun rank 0
-of the first attempt fails after its epoch) or ``forever`` (epochs until the job is ended; after the first,
-``<calls_log>.ready.<task>`` appears). The shared-memory directory is ``$MONAI_CACHE_SHM_DIR``.
+of the first attempt fails after its epoch) or ``until`` (after the first epoch, ``<calls_log>.ready.<task>`` appears,
+holding the task's pid, and the task waits in the middle of its second epoch, its DataLoader worker started, until
+``<calls_log>.finish`` appears; then it ends normally, unless the job was ended first). The shared-memory directory is
+``$MONAI_CACHE_SHM_DIR``.
 """
 
 import os
@@ -43,17 +45,20 @@ def main() -> None:
     chain = mt.Compose([Counted(log), mt.ScaleIntensityd(keys="image"), mt.RandFlipd(keys="image", prob=0.5)])
     ds = monai_cache.CacheDataset(data, chain, runtime_cache=True, progress=False)
     loader = monai.data.DataLoader(ds, batch_size=2, num_workers=1)
-    epoch = 0
-    while True:
-        for _batch in loader:
-            time.sleep(0.02)
-        epoch += 1
-        if mode == "crash-once" and task == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            os._exit(1)  # a rank fails after its first epoch: torchrun restarts every rank of the node
-        if mode in ("once", "crash-once"):
-            break
-        if epoch == 1:
-            open(f"{log}.ready.{task}", "w").close()
+    for _batch in loader:
+        time.sleep(0.02)
+    if mode == "crash-once" and task == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        os._exit(1)  # a rank fails after its first epoch: torchrun restarts every rank of the node
+    if mode == "until":
+        batches = iter(loader)  # the second epoch begun, its worker started; idle there, so many jobs cost little
+        next(batches)
+        with open(f"{log}.ready.{task}.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{log}.ready.{task}.tmp", f"{log}.ready.{task}")
+        while not os.path.exists(f"{log}.finish"):
+            time.sleep(0.1)
+        for _batch in batches:
+            pass
 
 
 if __name__ == "__main__":
