@@ -250,6 +250,36 @@ def test_requeued_job_with_keep_alive_computes_nothing_again(slurm, tmp_path):
     assert time.monotonic() - ended > window / 2  # removed when the window ended, not when the job did
 
 
+@pytest.mark.skipif(
+    os.environ.get("MONAI_CACHE_TEST_SLURM_REQUEUE") != "1",
+    reason="Slurm holds a requeued job about 2 minutes before it may start again (set MONAI_CACHE_TEST_SLURM_REQUEUE=1 "
+    "to run it: about 3 minutes)",
+)
+def test_scontrol_requeue_within_keep_alive_computes_nothing_again(slurm, tmp_path):
+    """``scontrol requeue`` of a running ``--requeue`` job mid-epoch: the job's step is killed, the epilog keeps the
+    cache for the window, and the job, started again on the node once Slurm lets it (its EligibleTime), computes
+    nothing."""
+    log = str(tmp_path / "calls")
+    body = f"MONAI_CACHE_KEEP_ALIVE=400 srun -n 2 {sys.executable} {TRAIN} {log} until\n"
+    job = sbatch(slurm, tmp_path, "requeued", body, "-n", "2", "--requeue")
+    ready = [f"{log}.ready.{task}" for task in "01"]
+    for attempt in range(2):  # trained an epoch and is in the middle of the next, the first time and the second
+        wait_until(lambda: all(os.path.exists(r) for r in ready), f"attempt {attempt} ready", timeout=300)
+        assert calls(log) == list(range(ITEMS)), attempt
+        for r in ready:
+            os.unlink(r)
+        if attempt == 0:
+            slurm.run("scontrol", "requeue", job)
+    assert "Restarts=1" in slurm.run("scontrol", "show", "job", job).stdout  # the same job, run again
+    slurm.run("scancel", job)
+    assert slurm.wait_jobs_gone([job], timeout=60), slurm.logs()
+    from monai_cache.shm import list_caches, remove_cache
+
+    for cache in list_caches(slurm.shm):  # the window outlasts the test: clear it
+        remove_cache(cache["key"], slurm.shm, force=True)
+    wait_until(lambda: left(slurm) == [], f"left: {left(slurm)}", timeout=15)
+
+
 def test_srun_monai_cache_run_swaps_the_classes_in_every_task(slurm, tmp_path):
     """srun -n 2 monai-cache run -- python stock.py: a stock script (monai.data.CacheDataset) computes each item once
     for the node. Each task waits for the other to hold the cache before reading it, as a process group's first
