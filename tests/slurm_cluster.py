@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -414,3 +415,20 @@ def temporary_cluster(proctrack: str, **kw) -> Iterator[SlurmCluster]:
             cluster.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def sbatch(cluster: SlurmCluster, tmp_path: Path, name: str, script: str, *options: str) -> str:
+    """Submit ``script`` (dedented; it starts with its ``#!`` line) as batch job ``name``, its output in
+    ``<tmp_path>/<name>.out``; returns the job id.
+
+    Args:
+        cluster: the running cluster.
+        tmp_path: where the script and its output go.
+        name: the job's name.
+        script: the batch script.
+        options: more ``sbatch`` options, before the script.
+    """
+    path = tmp_path / f"{name}.sh"
+    path.write_text(textwrap.dedent(script).lstrip())
+    out = cluster.run("sbatch", "--parsable", "-J", name, "-o", str(tmp_path / f"{name}.out"), *options, str(path))
+    return out.stdout.strip().split(";")[0]

@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import textwrap
 import time
 
 import pytest
-from slurm_cluster import missing_commands, temporary_cluster
+from slurm_cluster import missing_commands, sbatch, temporary_cluster
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -66,15 +65,6 @@ def _alive(pid: int, marker: str) -> bool:
     return marker in cmdline and state not in ("Z", "X")
 
 
-def _sbatch(cluster, tmp_path, name: str, script: str) -> str:
-    path = tmp_path / f"{name}.sh"
-    path.write_text(textwrap.dedent(script).lstrip())
-    out = cluster.run(
-        "sbatch", "--parsable", "-J", name, "-D", str(tmp_path), "-o", str(tmp_path / f"{name}.out"), str(path)
-    )
-    return out.stdout.strip().split(";")[0]
-
-
 def test_srun_two_tasks(slurm):
     out = slurm.run("srun", "-n", "2", sys.executable, "-c", "import os; print(os.environ['SLURM_PROCID'])", timeout=60)
     assert sorted(out.stdout.split()) == ["0", "1"], out
@@ -83,7 +73,7 @@ def test_srun_two_tasks(slurm):
 def test_scancel_sleeping_batch_job(slurm, tmp_path):
     """A cancelled job does not reach its end: the file it writes there never appears; squeue forgets it at once."""
     started, finished = tmp_path / "started", tmp_path / "finished"
-    job = _sbatch(
+    job = sbatch(
         slurm,
         tmp_path,
         "sleeper",
@@ -93,6 +83,8 @@ def test_scancel_sleeping_batch_job(slurm, tmp_path):
         sleep 120
         touch {finished}
     """,
+        "-D",
+        str(tmp_path),
     )
     _wait_for(started.exists, 30, f"job {job} running", slurm)
     t0 = time.monotonic()
@@ -112,7 +104,7 @@ def test_scancel_sigterm_then_sigkill_after_killwait(slurm, tmp_path):
     ``MAX(conf->kill_wait, 5)`` (Slurm 22.05, src/slurmd/slurmd/req.c), so a KillWait under 5 s does not shorten it
     (seen: 4.7 s for KillWait=0, 2 and 5; 7.7 s for KillWait=8)."""
     events, beat = tmp_path / "events", tmp_path / "beat"
-    job = _sbatch(
+    job = sbatch(
         slurm,
         tmp_path,
         "stubborn",
@@ -131,6 +123,8 @@ def test_scancel_sigterm_then_sigkill_after_killwait(slurm, tmp_path):
             __import__("os").replace({str(beat)!r} + ".tmp", {str(beat)!r})
             time.sleep(0.05)
     """,
+        "-D",
+        str(tmp_path),
     )
     _wait_for(beat.exists, 30, f"job {job} beating", slurm)
     cancelled = time.time()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from slurm_cluster import missing_commands, temporary_cluster
+from slurm_cluster import missing_commands, sbatch, temporary_cluster
 
 MISSING = missing_commands()
 REQUIRED = os.environ.get("MONAI_CACHE_REQUIRE_SLURM") == "1"
@@ -95,13 +95,6 @@ def calls(log: str) -> list[int]:
     return sorted(int(x) for x in open(log).read().split()) if os.path.exists(log) else []
 
 
-def sbatch(cluster, tmp_path, name: str, body: str, *options: str) -> str:
-    script = tmp_path / f"{name}.sh"
-    script.write_text("#!/bin/bash\n" + textwrap.dedent(body))
-    out = cluster.run("sbatch", "--parsable", "-J", name, "-o", str(tmp_path / f"{name}.out"), *options, str(script))
-    return out.stdout.strip().split(";")[0]
-
-
 def job_states(cluster) -> dict[str, str]:
     """The state of each job slurmctld remembers (those running, and those ended within MinJobAge: 60 s)."""
     out = cluster.run("squeue", "-h", "-t", "all", "-o", "%i %T", timeout=15).stdout
@@ -154,6 +147,7 @@ class Ending:
         else:
             srun = f"srun -n 1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node={self.tasks}"
         body = f"""\
+            #!/bin/bash
             export MONAI_CACHE_SHM_DIR={self.cluster.jobs_shm}/$SLURM_JOB_ID
             mkdir -p $MONAI_CACHE_SHM_DIR
             {srun} {TRAIN} {self.log} until
@@ -241,7 +235,7 @@ def test_requeued_job_with_keep_alive_computes_nothing_again(slurm, tmp_path):
     window = 8  # seconds: long enough for the next job to start within it, short enough to wait out here
     step = f"MONAI_CACHE_KEEP_ALIVE={window} srun -n 2 {sys.executable} {TRAIN} {log} once\n"
     for attempt, steps in enumerate((2, 1)):  # the first job runs two steps in a row
-        job = sbatch(slurm, tmp_path, f"attempt{attempt}", step * steps, "-n", "2")
+        job = sbatch(slurm, tmp_path, f"attempt{attempt}", "#!/bin/bash\n" + step * steps, "-n", "2")
         assert slurm.wait_jobs_gone([job], timeout=180), slurm.logs()
         assert calls(log) == list(range(ITEMS)), attempt  # the later step and job computed nothing
         assert [p for p in left(slurm) if p.endswith("/keep_alive")], left(slurm)  # kept for the window
@@ -260,7 +254,7 @@ def test_scontrol_requeue_within_keep_alive_computes_nothing_again(slurm, tmp_pa
     cache for the window, and the job, started again on the node once Slurm lets it (its EligibleTime), computes
     nothing."""
     log = str(tmp_path / "calls")
-    body = f"MONAI_CACHE_KEEP_ALIVE=400 srun -n 2 {sys.executable} {TRAIN} {log} until\n"
+    body = f"#!/bin/bash\nMONAI_CACHE_KEEP_ALIVE=400 srun -n 2 {sys.executable} {TRAIN} {log} until\n"
     job = sbatch(slurm, tmp_path, "requeued", body, "-n", "2", "--requeue")
     ready = [f"{log}.ready.{task}" for task in "01"]
     for attempt in range(2):  # trained an epoch and is in the middle of the next, the first time and the second
