@@ -551,6 +551,16 @@ class CacheDataset(_MonaiCacheDataset):
             return self._transform(index)
         return super().__getitem__(index)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A DataLoader batch's items (torch's fetchers call this with the batch's indices): each as
+        ``self[index]`` gives it, with the entries computed on the way published together at the end (see
+        :meth:`SharedMemoryStore.publishing_batch`)."""
+        store = self._store
+        if store is None:
+            return [self[index] for index in indices]
+        with store.publishing_batch():
+            return [self[index] for index in indices]
+
     def _transform(self, index: int) -> Any:
         cache_index = self._cache_index_of(index)
         if cache_index is None:

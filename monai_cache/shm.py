@@ -11,7 +11,10 @@ A read (:meth:`SharedMemoryStore.get_or_compute`), top to bottom:
 3. on a miss, take entry ``i``'s lock (an OFD lock: the kernel drops it if the holder dies), read again (another
    process may have published it meanwhile), else compute the item, encode it, write it (a segment or a
    temporary file renamed into place) and publish it by writing its slot last. Then read it back, so that
-   every process gets the same zero-copy view.
+   every process gets the same zero-copy view. Within :meth:`SharedMemoryStore.publishing_batch` (a DataLoader
+   batch: ``CacheDataset.__getitems__``), a small entry is kept, its lock held, and the batch's entries are
+   published together when it ends: one reservation, one write, their slots. A process holding staged entries
+   publishes them before it waits for any entry's lock, so no two processes wait on each other.
 
 Guarantees:
 
@@ -19,7 +22,9 @@ Guarantees:
   any moment never leaves an entry that a reader accepts; readers also validate the slot (checksum, tag) and
   the blob and treat a bad one as missing (reported once, recomputed).
 * Reads never share writable memory: a transform writing into the tensor it got never changes the shared copy.
-* Each entry is computed once across the machine; a crashed computer never blocks the others.
+* Each entry is computed once across the machine; a crashed computer never blocks the others (a process killed
+  within a batch loses that batch's staged entries, as it loses the item it was computing: they are computed
+  again).
 * A full budget or tmpfs, or an item the codec cannot store, makes items uncached with one warning per cache;
   a cache removed while in use (``monai-cache clear --all``) makes this process compute items uncached.
 """
@@ -30,6 +35,7 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -84,6 +90,17 @@ def _codec() -> Any:
         _codec_module = codec
     return _codec_module
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
+_STAGED_BYTES = 4 << 20  # a batch's staged entries are published once they reach this many bytes
+
+
+class _Staging(threading.local):
+    """One thread's batch being published together (see :meth:`SharedMemoryStore.publishing_batch`)."""
+
+    def __init__(self) -> None:
+        self.batch = False  # within a batch
+        self.pid = 0  # the process that opened it: a forked copy publishes nothing of it
+        self.entries: list[tuple[int, OFDLock, Any, int]] = []  # (entry, its lock, encoded, item bytes)
+        self.nbytes = 0
 
 
 class SharedMemoryStore:
@@ -138,6 +155,7 @@ class SharedMemoryStore:
         "_reported",
         "_reserve",
         "_shm_dir",
+        "_staging",
         "_unsupported",
         "_verify",
         "key",
@@ -188,6 +206,7 @@ class SharedMemoryStore:
         self._unsupported: set[int] = set()  # entries whose item the codec cannot store: computed on each read
         self._released = False
         self._projected: set[int] = set()  # entry counts at which this process projected the cache's size
+        self._staging = _Staging()  # per thread: the entries of a batch being published together
         if self._budget is not None:
             self._check_budget()
 
@@ -236,7 +255,7 @@ class SharedMemoryStore:
         if item is None:
             return
         i = self._check_index(index)
-        with OFDLock(self._dir.locks_path, i):
+        with self._entry_locked(i):
             if self._dir.read_slot(i) is None:
                 self._write(i, item)
 
@@ -346,7 +365,7 @@ class SharedMemoryStore:
         # bad entry stay quiet, and an entry republished meanwhile is left alone. A caller holding the lock
         # (``locked``) must not take it again: OFD locks of two descriptors conflict even in one thread, and
         # the kernel detects no deadlock for them (a bad entry found by the read under the lock hung forever).
-        with contextlib.nullcontext() if locked else OFDLock(self._dir.locks_path, i):
+        with contextlib.nullcontext() if locked else self._entry_locked(i):
             if self._dir.read_slot(i) != slot:
                 return
             self._dir.unpublish(i, slot)
@@ -375,11 +394,16 @@ class SharedMemoryStore:
             if miss:
                 self._dir.counters.add({"misses": 1})
             raise
+        return self._publish(i, enc, codec.item_nbytes(item), miss)
+
+    def _publish(self, i: int, enc: Any, raw: int, miss: bool) -> bool:
+        """Write encoded entry ``i`` (``raw``: the item's bytes in memory) and publish its slot; see :meth:`_write`."""
+        codec = _codec()
         size = enc.nbytes
         # The write's counts go into the shared counters with the space it reserves, in one update (each update
         # is a lock and its release: three of them were a quarter of a small item's miss path); they are taken
         # back if the entry is not published.
-        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": codec.item_nbytes(item)}
+        done = {"writes": 1, "bytes_written": size, "bytes_encoded": size, "bytes_raw": raw}
         entries = self._reserve_space(size, done, misses=int(miss))
         if size >= STANDALONE_MIN and self._dir.room < _TIGHT_ITEMS * size:
             # Computed, and freed once the caller is done with it: with memory this tight, give the heap it freed
@@ -403,18 +427,22 @@ class SharedMemoryStore:
             self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(identity, i)))
         except OSError as e:
             self._unreserve(size, done)
-            if e.errno in _NO_SPACE:
-                self._warn_full(size, str(e))
-            elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
-                self._count(write_errors=1)
-                warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached",
-                     CacheUnavailableWarning)
+            self._write_failed(i, size, e)
             return False
         for k, d in done.items():
             self._counts[k] += d
         if entries & (entries - 1) == 0 and entries >= min(4, self._length):  # 4, 8, 16, ...: see _check_projection
             self._check_projection()
         return True
+
+    def _write_failed(self, i: int, size: int, e: OSError) -> None:
+        """Say why entries (``size`` bytes, from entry ``i``) could not be written; they are served uncached."""
+        if e.errno in _NO_SPACE:
+            self._warn_full(size, str(e))
+        elif e.errno != errno.ENOENT:  # ENOENT: the cache was removed under us (its last user left)
+            self._count(write_errors=1)
+            warn(f"could not write the shared-memory cache entry for {self._name(i)}: {e}; serving it uncached",
+                 CacheUnavailableWarning)
 
     def _write_computed(self, i: int, item: Any) -> bool:
         """:meth:`_write` of a miss: an item a dataset computed (counted as a miss here; one that the codec cannot
@@ -428,31 +456,43 @@ class SharedMemoryStore:
         try:
             return self._write(i, item, miss=True)
         except codec.UnsupportedValueError as e:
-            self._unsupported.add(i)
-            self._count(skipped=1, unsupported=1)
-            if self._dir.counters.first(FLAG_WARNED_UNSUPPORTED):
-                warn(f"{self._name(i)} is not cached, it is computed on every read: {e}", UncachedItemWarning,
-                     stacklevel=5)
+            self._uncacheable(i, e)
             return False
 
-    def _reserve_space(self, size: int, done: dict[str, int], misses: int) -> int:
-        """Reserve ``size`` bytes of the cache's budget and count one more entry, adding ``done`` (the write's
-        counts) and ``misses`` to the shared counters in the same update; returns the entries counted then, or 0
-        (taken back by :meth:`_unreserve`, the misses kept) if the entry does not fit."""
-        new = self._dir.counters.add({"bytes": size, "entries": 1, "misses": misses, **done})
+    def _uncacheable(self, i: int, e: Exception) -> None:
+        """Entry ``i``'s item holds a value the codec cannot store: computed on every read, said once per cache."""
+        self._unsupported.add(i)
+        self._count(skipped=1, unsupported=1)
+        if self._dir.counters.first(FLAG_WARNED_UNSUPPORTED):
+            warn(f"{self._name(i)} is not cached, it is computed on every read: {e}", UncachedItemWarning, stacklevel=6)
+
+    def _reserve_space(
+        self, size: int, done: dict[str, int], misses: int, entries: int = 1, warn_full: bool = True
+    ) -> int:
+        """Reserve ``size`` bytes of the cache's budget and count ``entries`` more entries, adding ``done`` (the
+        writes' counts) and ``misses`` to the shared counters in the same update; returns the entries counted then,
+        or 0 if they do not fit: taken back (the misses kept), counted skipped and said once (``warn_full``), or,
+        without ``warn_full``, taken back only (the caller publishes them one by one)."""
+        new = self._dir.counters.add({"bytes": size, "entries": entries, "misses": misses, **done})
         used = new["bytes"]
         over_budget = self._budget is not None and used > self._budget
         # with no budget, the memory the machine has is the budget: the tmpfs, the memory cgroup, MemAvailable
         if over_budget or not self._dir.room_for(size, self._reserve, memory=self._budget is None):
-            self._unreserve(size, done)
+            if not warn_full:
+                self._dir.counters.add({"bytes": -size, "entries": -entries, **{k: -d for k, d in done.items()}})
+                return 0
+            self._unreserve(size, done, entries)
             self._warn_full(size, "shm_budget reached" if over_budget else f"no room left by {self._dir.limiting}")
             return 0
         return new["entries"]
 
-    def _unreserve(self, size: int, done: dict[str, int]) -> None:
-        """Take back what :meth:`_reserve_space` added for an entry that was not published, and count it skipped."""
-        self._dir.counters.add({"bytes": -size, "entries": -1, "skipped": 1, **{k: -d for k, d in done.items()}})
-        self._counts["skipped"] += 1
+    def _unreserve(self, size: int, done: dict[str, int], entries: int = 1) -> None:
+        """Take back what :meth:`_reserve_space` added for entries that were not published, and count them
+        skipped."""
+        self._dir.counters.add(
+            {"bytes": -size, "entries": -entries, "skipped": entries, **{k: -d for k, d in done.items()}}
+        )
+        self._counts["skipped"] += entries
 
     def _machine_summary(self, machine: MachineMemory) -> str:
         """What the machine offers, in words, for the warnings."""
@@ -561,17 +601,143 @@ class SharedMemoryStore:
         if self._cache_removed():  # removed (and perhaps made anew) under us: our files are not its files
             self._counts["misses"] += 1
             return compute()
-        with OFDLock(self._dir.locks_path, i):
+        lock = self._lock_entry(i)
+        staged = False
+        try:
             item = self._read(i, locked=True)  # someone may have published it while we waited
             if item is not _MISSING:
                 return item
             release_freed_memory()  # the last large item this process computed, freed since: see runtime
             value = compute()
             computed.append(value)
+            if reuse and self._staging.batch:
+                staged = self._stage(i, lock, value)
+                return value
             if not self._write_computed(i, value) or reuse:
                 return value
+        finally:
+            if not staged:
+                lock.release()
         item = self._read(i, count=False)
         return value if item is _MISSING else item
+
+    # -- publishing in batches --
+    @contextlib.contextmanager
+    def publishing_batch(self) -> Iterator[None]:
+        """Within this block, this thread's misses of small entries are published together when it ends (a
+        DataLoader batch's items: one space reservation, one write and their index slots, rather than one of each
+        per item). Each staged entry's lock is held until then, so no other process computes it meanwhile; one
+        that wants it waits for the batch. Nested blocks publish with the outermost."""
+        staging = self._staging
+        if staging.batch:
+            yield
+            return
+        staging.batch, staging.pid = True, os.getpid()
+        try:
+            yield
+        finally:
+            staging.batch = False
+            self._publish_staged()
+
+    def _lock_entry(self, i: int) -> OFDLock:
+        """Entry ``i``'s lock, taken. A thread holding staged entries publishes them before it waits: two processes
+        each waiting for an entry the other has staged would wait forever (and so would this thread for its own)."""
+        lock = OFDLock(self._dir.locks_path, i)
+        if self._staging.entries:
+            if lock.acquire(blocking=False):
+                return lock
+            self._publish_staged()
+        lock.acquire()
+        return lock
+
+    @contextlib.contextmanager
+    def _entry_locked(self, i: int) -> Iterator[None]:
+        """Entry ``i``'s lock (:meth:`_lock_entry`) held for a block."""
+        lock = self._lock_entry(i)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _stage(self, i: int, lock: OFDLock, value: Any) -> bool:
+        """Keep computed entry ``i`` (its lock held) for the batch's publishing; False if it was published (or found
+        uncacheable) at once instead: a large entry, a store that does not pack, or a forked copy of the batch."""
+        staging = self._staging
+        if not self._pack or staging.pid != os.getpid():
+            self._write_computed(i, value)
+            return False
+        codec = _codec()
+        self._counts["misses"] += 1
+        try:
+            enc = codec.encode(value, allow_pickle=self._allow_pickle)
+        except codec.UnsupportedValueError as e:
+            self._uncacheable(i, e)
+            return False
+        except BaseException:
+            self._dir.counters.add({"misses": 1})
+            raise
+        if enc.nbytes >= STANDALONE_MIN:
+            self._publish(i, enc, codec.item_nbytes(value), miss=True)
+            return False
+        staging.entries.append((i, lock, enc, codec.item_nbytes(value)))
+        staging.nbytes += enc.nbytes
+        if staging.nbytes >= _STAGED_BYTES:
+            self._publish_staged()
+        return True
+
+    def _publish_staged(self) -> None:
+        """Publish this thread's staged entries and release their locks."""
+        staging = self._staging
+        entries, staging.entries, staging.nbytes = staging.entries, [], 0
+        if not entries:
+            return
+        if staging.pid != os.getpid():  # a forked copy of another process's batch: its locks stay that process's
+            for _, lock, _, _ in entries:
+                lock.forget()
+            return
+        try:
+            if not self._released and not self._removed:
+                self._publish_batch(entries)
+        finally:
+            for _, lock, _, _ in entries:
+                lock.release()
+
+    def _publish_batch(self, entries: list[tuple[int, OFDLock, Any, int]]) -> None:
+        """Write staged entries into this process's segment one after another and publish their slots."""
+        codec = _codec()
+        n = len(entries)
+        sizes = [enc.nbytes for _, _, enc, _ in entries]
+        total = sum(sizes)
+        done = {"writes": n, "bytes_written": total, "bytes_encoded": total, "bytes_raw": sum(e[3] for e in entries)}
+        counted = self._reserve_space(total, done, misses=n, entries=n, warn_full=False)
+        if not counted:  # not all of them fit: each on its own, as many as fit (the misses are counted)
+            for i, _, enc, raw in entries:
+                self._publish(i, enc, raw, miss=False)
+            return
+        with_crc = self._verify
+        chunks: list[Any] = []
+        offsets = []
+        pos = 0
+        for (_, _, enc, _), size in zip(entries, sizes):
+            if pos % 64:
+                chunks.append(bytes(64 - pos % 64))
+                pos += 64 - pos % 64
+            offsets.append(pos)
+            chunks.extend(enc.chunks(data_crc=with_crc))
+            pos += size
+        try:
+            seg, base = self._dir.append(iter(chunks), pos)
+            for (i, _, enc, _), offset, size in zip(entries, offsets, sizes):
+                identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
+                self._dir.write_slot(i, Slot(seg, base + offset, size, entry_tag(identity, i)))
+        except OSError as e:
+            self._unreserve(total, done, entries=n)
+            self._write_failed(entries[0][0], total, e)
+            return
+        for k, d in done.items():
+            self._counts[k] += d
+        if (counted.bit_length() > (counted - n).bit_length()) and counted >= min(4, self._length):
+            self._check_projection()  # the count passed 4, 8, 16, ...: see _check_projection
 
     def fill(self, index: int, compute: Callable[[], Any]) -> bool:
         """Make sure entry ``index`` exists without decoding it; False if another process is on it now."""
@@ -622,7 +788,7 @@ class SharedMemoryStore:
         if self._released or self._removed:
             return
         try:
-            with OFDLock(self._dir.locks_path, i):
+            with self._entry_locked(i):
                 pass
         except FileNotFoundError:
             if not self._cache_removed():
@@ -652,7 +818,7 @@ class SharedMemoryStore:
         i = self._check_index(index)
         if self._released or self._removed:
             return False
-        with OFDLock(self._dir.locks_path, i):
+        with self._entry_locked(i):
             slot = self._dir.read_slot(i)
             if slot is not None:
                 self._dir.unpublish(i, slot)

@@ -156,6 +156,34 @@ class _RandTimes3(Transform, RandomizableTrait):  # random by position, determin
         return {"x": d["x"] * 3}
 
 
+class _FailOn(Transform):
+    def __init__(self, bad: float) -> None:
+        self.bad = bad
+
+    def __call__(self, d):
+        if d["x"] == self.bad:
+            raise ValueError(f"cannot make x={self.bad}")
+        return d
+
+
+def test_a_batch_publishes_its_items_together_once_each_even_when_it_fails(shm_dir):
+    """A DataLoader batch (``__getitems__``) publishes the entries it computed when it ends: an index twice in a
+    batch is computed once (its second read waits for the first's publication), and the items computed before one
+    that raises are published all the same."""
+    ds = monai_cache.CacheDataset(
+        [{"x": float(i)} for i in range(6)], Compose([_PlusOne(), _FailOn(5.0)]), runtime_cache=True, progress=False
+    )
+    assert [d["x"] for d in ds.__getitems__([1, 2, 1])] == [2.0, 3.0, 2.0]
+    stats = ds.cache_stats()
+    assert (stats["total"]["misses"], stats["total"]["hits"], stats["stored"]["entries"]) == (2, 1, 2)
+    with pytest.raises(RuntimeError, match="applying transform") as raised:  # MONAI's Compose wraps the error
+        ds.__getitems__([3, 4, 5])
+    assert "cannot make x=5.0" in str(raised.value.__cause__)
+    assert ds._store.missing() == [0, 4, 5]  # 3 was published when the failed batch ended
+    assert [d["x"] for d in ds.__getitems__([3, 0])] == [4.0, 1.0]
+    assert ds.cache_stats()["total"]["hits"] == 2
+
+
 @pytest.mark.parametrize("index", [1, np.int64(1), True])
 def test_chain_changed_after_reads_is_followed_as_monai_does(shm_dir, index):
     """A hit finds the first random transform once per chain (not per read): a chain swapped after reads, or whose

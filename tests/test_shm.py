@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import stat
@@ -630,3 +631,40 @@ def test_freed_heap_is_given_back_only_when_memory_is_tight(shm_dir):
     assert not runtime._freed_large
     ample.release()
     tight.release()
+
+
+def test_batches_of_two_processes_that_each_want_the_others_staged_entry_both_finish(shm_dir):
+    """Within ``publishing_batch`` a computed entry stays unpublished, its lock held, until the batch ends. Two
+    processes, each holding one staged entry and then asking for the other's, must not wait for each other forever:
+    each publishes its own before it waits. Each entry is still computed once, by the process that staged it."""
+    ctx = multiprocessing.get_context("fork")
+    staged = [ctx.Event(), ctx.Event()]
+    computed, results = ctx.Queue(), ctx.Queue()
+
+    def side(me: int) -> None:
+        store = SharedMemoryStore("crossed", 2)
+
+        def compute(i: int):
+            computed.put((me, i))
+            return item(i)
+
+        with store.publishing_batch():
+            store.get_or_compute(me, lambda: compute(me), reuse_computed=True)
+            staged[me].set()
+            staged[1 - me].wait(30)
+            got = store.get_or_compute(1 - me, lambda: compute(1 - me), reuse_computed=True)
+        results.put((me, int(got["index"]), store.stats()["process"]["misses"]))
+        store.release()
+
+    procs = [ctx.Process(target=side, args=(me,)) for me in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung, "the two batches waited for each other"
+    assert sorted(computed.get(timeout=5) for _ in range(2)) == [(0, 0), (1, 1)]
+    assert sorted(results.get(timeout=5) for _ in range(2)) == [(0, 1, 1), (1, 0, 1)]
+    assert all(p.exitcode == 0 for p in procs)
