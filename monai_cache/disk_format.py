@@ -496,9 +496,21 @@ class PackedRecord(NamedTuple):
     """Write time, ns since the epoch."""
 
 
-def supersedes(new: PackedRecord, old: PackedRecord | None) -> bool:
-    """Whether record ``new`` replaces ``old`` for a key: later in the same pack, else written later."""
-    return old is None or new.pack == old.pack or new.stamp >= old.stamp
+_Loc = tuple[str, int, int, int]
+"""A :class:`PackedRecord`'s fields as a plain tuple, as :class:`PackIndex` keeps them: the garbage collector stops
+tracking a plain tuple of strings and ints, but tracks a ``NamedTuple`` for ever, and tens of thousands of tracked
+records make each forked DataLoader worker run full collections, which write to every object the worker inherited
+and so copy those pages (copy-on-write)."""
+
+
+def supersedes(new: _Loc, old: _Loc | None) -> bool:
+    """Whether record ``new`` replaces ``old`` for a key: later in the same pack, else written later.
+
+    Args:
+        new: a :class:`PackedRecord`, or its fields as a plain tuple.
+        old: the record it may replace (the same), or None.
+    """
+    return old is None or new[0] == old[0] or new[3] >= old[3]
 
 
 def read_index(path: str, pos: int = 0) -> tuple[list[tuple[bytes, int, int, int, int]], int, bool]:
@@ -675,7 +687,7 @@ class PackIndex:
     def __init__(self, directory: str) -> None:
         self._directory = directory
         self._lock = threading.Lock()
-        self._map: dict[bytes, PackedRecord] = {}
+        self._map: dict[bytes, _Loc] = {}  # plain tuples, untracked by the garbage collector (see _Loc)
         self._read: dict[str, list[int]] = {}  # index name -> [position read up to, size then]
         self._bad: set[tuple[str, int]] = set()  # (pack, offset) of records found bad
         self._loaded = False
@@ -698,12 +710,12 @@ class PackIndex:
                 self._refresh_locked(fresh)
                 self._loaded = True
                 loc = self._map.get(tag)
-            return loc
+        return None if loc is None else PackedRecord._make(loc)
 
     def add(self, key: str, loc: PackedRecord) -> None:
         """Record that ``key`` was just appended at ``loc`` (by this process)."""
         with self._lock:
-            self._map[key_tag(key)] = loc
+            self._map[key_tag(key)] = (loc.pack, loc.offset, loc.length, loc.stamp)
 
     def forget(self, key: str, loc: PackedRecord, bad: bool = False) -> None:
         """Stop serving ``loc`` for ``key`` (its pack is gone; or, with ``bad``, the record is damaged: then the
@@ -718,7 +730,7 @@ class PackIndex:
             # Another process may have rewritten the key in its own pack, and which of the two records the
             # indexes gave us depends on the order they were read in: look for the latest record that is not
             # known bad (reads every index again; only ever done for a bad record).
-            alternative: PackedRecord | None = None
+            alternative: _Loc | None = None
             for name in sorted(self._read):
                 if self._read[name][0] < 0:
                     continue
@@ -728,7 +740,7 @@ class PackIndex:
                     continue
                 pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
                 for t, offset, length, stamp, _ in records:
-                    other = PackedRecord(pack, offset, length, stamp)
+                    other = (pack, offset, length, stamp)
                     if t == tag and (pack, offset) not in self._bad and supersedes(other, alternative):
                         alternative = other
             if alternative is not None and tag not in self._map:
@@ -763,7 +775,7 @@ class PackIndex:
             except FileNotFoundError:  # cleared: forget its records (a new pack may get the name)
                 del self._read[name]
                 pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
-                for tag in [t for t, loc in self._map.items() if loc.pack == pack]:
+                for tag in [t for t, loc in self._map.items() if loc[0] == pack]:
                     del self._map[tag]
                 continue
             except OSError:
@@ -779,7 +791,7 @@ class PackIndex:
             state[1] = -1 if torn else size
             pack = name[: -len(INDEX_SUFFIX)] + PACK_SUFFIX
             for tag, offset, length, stamp, _ in records:
-                loc = PackedRecord(pack, offset, length, stamp)
+                loc = (pack, offset, length, stamp)
                 if (pack, offset) not in self._bad and supersedes(loc, self._map.get(tag)):
                     self._map[tag] = loc
 
