@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks tiers                # 12 volumes of 160x160x96, 4 epochs, median of 3 (~10 min)
+    python -m benchmarks tiers                # 12 volumes of 160x160x96, 4 epochs, median of 3 (about 150 s on 2 cores)
     python -m benchmarks tiers --quick        # 4 volumes of 64x64x48, 3 epochs, 1 repeat
 
 Two questions, on the tutorial chain of ``monai_cache.synthetic`` (the deterministic part cached, two random
