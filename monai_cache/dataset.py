@@ -556,9 +556,7 @@ class CacheDataset(_MonaiCacheDataset):
         ``self[index]`` gives it, with the entries computed on the way published together at the end (see
         :meth:`SharedMemoryStore.publishing_batch`)."""
         store = self._store
-        if store is None:
-            return [self[index] for index in indices]
-        with store.publishing_batch():
+        with contextlib.nullcontext() if store is None else store.publishing_batch():
             return [self[index] for index in indices]
 
     def _transform(self, index: int) -> Any:

@@ -376,25 +376,15 @@ class SharedMemoryStore:
                  CorruptEntryWarning)
 
     # -- writes --
-    def _write(self, i: int, item: Any, miss: bool = False) -> bool:
+    def _write(self, i: int, item: Any) -> bool:
         """Publish entry ``i`` (caller holds its lock); False, with one warning per cache, if it does not fit.
-
-        Args:
-            i: the entry.
-            item: its value.
-            miss: count a miss in the shared counters too (the caller counted it in this process's own).
 
         Raises:
             UnsupportedValueError: the item holds a value the codec cannot store.
         """
         codec = _codec()
-        try:
-            enc = codec.encode(item, allow_pickle=self._allow_pickle)
-        except BaseException:
-            if miss:
-                self._dir.counters.add({"misses": 1})
-            raise
-        return self._publish(i, enc, codec.item_nbytes(item), miss)
+        enc = codec.encode(item, allow_pickle=self._allow_pickle)
+        return self._publish(i, enc, codec.item_nbytes(item), miss=False)
 
     def _publish(self, i: int, enc: Any, raw: int, miss: bool) -> bool:
         """Write encoded entry ``i`` (``raw``: the item's bytes in memory) and publish its slot; see :meth:`_write`."""
@@ -451,20 +441,26 @@ class SharedMemoryStore:
         As in the disk store, the item is served uncached from then on (this process does not try to store
         it again) and one warning per cache names it, its key path and what to do.
         """
+        enc = self._encode_computed(i, item)
+        return enc is not None and self._publish(i, enc, _codec().item_nbytes(item), miss=True)
+
+    def _encode_computed(self, i: int, item: Any) -> Any:
+        """Count a miss of entry ``i`` in this process and encode the computed item; None if the codec cannot store
+        it (then the miss is counted in the shared counters too, the entry is served uncached, said once)."""
         codec = _codec()
         self._counts["misses"] += 1
         try:
-            return self._write(i, item, miss=True)
-        except codec.UnsupportedValueError as e:
-            self._uncacheable(i, e)
-            return False
-
-    def _uncacheable(self, i: int, e: Exception) -> None:
-        """Entry ``i``'s item holds a value the codec cannot store: computed on every read, said once per cache."""
-        self._unsupported.add(i)
-        self._count(skipped=1, unsupported=1)
-        if self._dir.counters.first(FLAG_WARNED_UNSUPPORTED):
-            warn(f"{self._name(i)} is not cached, it is computed on every read: {e}", UncachedItemWarning, stacklevel=6)
+            return codec.encode(item, allow_pickle=self._allow_pickle)
+        except BaseException as e:
+            self._dir.counters.add({"misses": 1})  # a published miss counts it with the write's reservation
+            if not isinstance(e, codec.UnsupportedValueError):
+                raise
+            self._unsupported.add(i)
+            self._count(skipped=1, unsupported=1)
+            if self._dir.counters.first(FLAG_WARNED_UNSUPPORTED):
+                warn(f"{self._name(i)} is not cached, it is computed on every read: {e}", UncachedItemWarning,
+                     stacklevel=6)
+            return None
 
     def _reserve_space(
         self, size: int, done: dict[str, int], misses: int, entries: int = 1, warn_full: bool = True
@@ -478,21 +474,21 @@ class SharedMemoryStore:
         over_budget = self._budget is not None and used > self._budget
         # with no budget, the memory the machine has is the budget: the tmpfs, the memory cgroup, MemAvailable
         if over_budget or not self._dir.room_for(size, self._reserve, memory=self._budget is None):
+            self._unreserve(size, done, entries, skipped=warn_full)
             if not warn_full:
-                self._dir.counters.add({"bytes": -size, "entries": -entries, **{k: -d for k, d in done.items()}})
                 return 0
-            self._unreserve(size, done, entries)
             self._warn_full(size, "shm_budget reached" if over_budget else f"no room left by {self._dir.limiting}")
             return 0
         return new["entries"]
 
-    def _unreserve(self, size: int, done: dict[str, int], entries: int = 1) -> None:
-        """Take back what :meth:`_reserve_space` added for entries that were not published, and count them
-        skipped."""
+    def _unreserve(self, size: int, done: dict[str, int], entries: int = 1, skipped: bool = True) -> None:
+        """Take back what :meth:`_reserve_space` added for entries that were not published, and count them skipped
+        (not ``skipped``: the caller tries them again)."""
+        counted = int(skipped) * entries
         self._dir.counters.add(
-            {"bytes": -size, "entries": -entries, "skipped": entries, **{k: -d for k, d in done.items()}}
+            {"bytes": -size, "entries": -entries, "skipped": counted, **{k: -d for k, d in done.items()}}
         )
-        self._counts["skipped"] += entries
+        self._counts["skipped"] += counted
 
     def _machine_summary(self, machine: MachineMemory) -> str:
         """What the machine offers, in words, for the warnings."""
@@ -667,15 +663,9 @@ class SharedMemoryStore:
             self._write_computed(i, value)
             return False
         codec = _codec()
-        self._counts["misses"] += 1
-        try:
-            enc = codec.encode(value, allow_pickle=self._allow_pickle)
-        except codec.UnsupportedValueError as e:
-            self._uncacheable(i, e)
+        enc = self._encode_computed(i, value)
+        if enc is None:
             return False
-        except BaseException:
-            self._dir.counters.add({"misses": 1})
-            raise
         if enc.nbytes >= STANDALONE_MIN:
             self._publish(i, enc, codec.item_nbytes(value), miss=True)
             return False

@@ -184,6 +184,20 @@ def test_a_batch_publishes_its_items_together_once_each_even_when_it_fails(shm_d
     assert ds.cache_stats()["total"]["hits"] == 2
 
 
+class _ToSet(Transform):
+    def __call__(self, d):
+        return {"x": {d["x"]}}  # a set: the codec cannot store it
+
+
+def test_a_batch_of_items_the_codec_cannot_store_counts_each_miss_machine_wide(shm_dir):
+    ds = monai_cache.CacheDataset([{"x": float(i)} for i in range(3)], Compose([_ToSet()]), runtime_cache=True,
+                                  progress=False)
+    with pytest.warns(monai_cache.UncachedItemWarning):
+        assert [d["x"] for d in ds.__getitems__([0, 1])] == [{0.0}, {1.0}]
+    stats = ds.cache_stats()
+    assert (stats["total"]["misses"], stats["total"]["unsupported"], stats["stored"]["entries"]) == (2, 2, 0)
+
+
 @pytest.mark.parametrize("index", [1, np.int64(1), True])
 def test_chain_changed_after_reads_is_followed_as_monai_does(shm_dir, index):
     """A hit finds the first random transform once per chain (not per read): a chain swapped after reads, or whose
