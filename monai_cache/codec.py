@@ -164,6 +164,8 @@ class Encoded:
         data_offset: where the data area starts in the blob.
         nbytes: total size of the blob.
         tensors: how many torch tensors the item holds (what torch's pickling would move one by one).
+        objects: with ``encode(exact=True)``: each container, tensor and array of the item (its node numbered), with
+            how many times the item refers to it (what tells whether anything else holds it).
     """
 
     header: bytes
@@ -174,6 +176,7 @@ class Encoded:
     borrowed: list[bool] = field(default_factory=list)  # per buffer: a view of the item's own memory
     tensors: int = 0
     keepalive: list[Any] = field(default_factory=list)  # what the buffers point into (contiguous copies, casts)
+    objects: list[tuple[Any, int]] = field(default_factory=list)
     _data_crc: int | None = None
     _prefixes: dict[bool, bytes] = field(default_factory=dict)  # by data_crc: a writer asks twice (data, identity)
 
@@ -284,6 +287,9 @@ class _Encoder:
         self.done: dict[int, int] = {}  # id of an object of the item -> the number of its node
         self.refs = False
         self.storages: set[int] = set()  # exact: the tensors' storages met so far
+        # exact: the numbered objects (containers, tensors, arrays) and how often the item refers to each
+        self.objects: list[Any] = []
+        self.met: dict[int, int] = {}
         self.tensors = 0
         self.buffers: list[memoryview] = []
         self.offsets: list[int] = []
@@ -385,6 +391,9 @@ class _Encoder:
         """Number the node just completed for ``value``; a later occurrence of ``value`` refers to it."""
         self.done[id(value)] = self.numbered
         self.numbered += 1
+        if self.exact:
+            self.objects.append(value)
+            self.met[id(value)] = 1
 
     def _ndarray(self, a: np.ndarray, path: _Path, top_key: str | None) -> dict:
         if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
@@ -516,6 +525,8 @@ class _Encoder:
         number = self.done.get(id(value))
         if number is not None:  # met before: pickle and deepcopy keep one object, and so does the decode
             self.refs = True
+            if self.exact:
+                self.met[id(value)] += 1
             return {"~": "r", "i": number}
         # the exact containers and arrays before the isinstance checks below (none of them is an enum or a tensor):
         # a meta dict is mostly small arrays
@@ -622,6 +633,8 @@ def encode(
     out = Encoded(header, enc.buffers, enc.offsets, data_offset, total, enc.borrowed)
     out.keepalive = enc.keepalive
     out.tensors = enc.tensors
+    if exact:
+        out.objects = [(obj, enc.met[id(obj)]) for obj in enc.objects]
     return out
 
 

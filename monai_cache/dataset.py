@@ -22,7 +22,7 @@ from monai.data.meta_obj import get_track_meta
 from monai.data.utils import pickle_hashing
 from monai.transforms import Compose
 
-from monai_cache import __version__, codec
+from monai_cache import __version__, codec, loader
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DISK_FORMAT_VERSION, entry_key
 from monai_cache.fingerprint import (
@@ -560,6 +560,8 @@ class CacheDataset(_MonaiCacheDataset):
             return [self[index] for index in indices]
 
     def _transform(self, index: int) -> Any:
+        if not loader._meta_blocks_checked:  # first read in this process: in another loader's worker?
+            loader.send_meta_tensors_as_blocks()
         cache_index = self._cache_index_of(index)
         if cache_index is None:
             # no cache for this index, execute all the transforms directly

@@ -39,6 +39,10 @@ How it works:
   the main process keeps their segments (a :class:`_Pool` per loader, at most ``num_workers x (prefetch_factor +
   1)``, including those whose batch the user still holds, which join once released) and hands them to the next
   workers, so that their batches are copied into pages already allocated and mapped.
+* **Another loader over our datasets.** In a worker of ``monai.data.DataLoader`` (or torch's) that reads one of
+  monai_cache's datasets, :func:`send_meta_tensors_as_blocks` has ``ForkingPickler`` send each MetaTensor of a batch
+  as one block of the same ring (chosen the same way), unless something outside it shares its objects or memory;
+  the main process maps the block only while the MetaTensor lives.
 * **Faults.** A worker killed mid-epoch: torch's SIGCHLD handler raises its usual ``RuntimeError``; batches
   already received stay valid (their segments live as long as the main process maps them). The main process
   killed: workers exit (torch's watchdog) and the kernel frees their memfds; nothing is ever left in
@@ -53,7 +57,9 @@ import functools
 import logging
 import mmap
 import os
+import pickle
 import secrets
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +67,7 @@ from typing import Any
 
 import monai.data
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -68,7 +75,14 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from monai_cache.codec import Encoded, decode, encode
 from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
 
-__all__ = ["MAX_SEGMENTS", "SPARE_SEGMENTS", "DataLoader", "block_path_refusal", "same_batches_only"]
+__all__ = [
+    "MAX_SEGMENTS",
+    "SPARE_SEGMENTS",
+    "DataLoader",
+    "block_path_refusal",
+    "same_batches_only",
+    "send_meta_tensors_as_blocks",
+]
 
 _log = logging.getLogger("monai_cache.loader")
 
@@ -257,12 +271,21 @@ class _Ring:
         self._trim()
         return _BlockHandle((self.pid, self.control_fd, self.control_ino, slot, seg.fd, seg.ino, encoded.nbytes))
 
+    def cancel(self, handle: _BlockHandle) -> None:
+        """Free the segment of a block that will not be sent after all."""
+        self.control[handle.where[3]] = _FREE
+
 
 _ring: tuple[int, _Ring | None, str | None] | None = None  # (pid, ring, why there is none)
 
 
-def _worker_ring(collate: _BlockCollate) -> tuple[_Ring | None, str | None]:
-    """This process's ring (made on first use; a forked child makes its own), or None and why not."""
+def _worker_ring(main_pid: int, pool: list[tuple[int, int]]) -> tuple[_Ring | None, str | None]:
+    """This process's ring (made on first use; a forked child makes its own), or None and why not.
+
+    Args:
+        main_pid: the process that receives the batches.
+        pool: free segments of the loader's earlier workers (see :class:`_Ring`).
+    """
     global _ring, _held, _attached, _lock
     if _ring is None or _ring[0] != os.getpid():
         # Forked from the main process: its tables describe the main process's holds, not this one's (the
@@ -270,9 +293,9 @@ def _worker_ring(collate: _BlockCollate) -> tuple[_Ring | None, str | None]:
         # the lock may have been held by another thread of the main process at the fork.
         _held, _attached, _lock = {}, {}, threading.RLock()
         info = torch_data_utils.worker._worker_info
-        share = collate.pool[info.id :: info.num_workers] if info is not None else []
+        share = pool[info.id :: info.num_workers] if info is not None else []
         try:
-            ring = _Ring(collate.main_pid, share, collate.pool)
+            ring = _Ring(main_pid, share, pool)
         except (OSError, AttributeError) as e:  # AttributeError: no os.memfd_create (not Linux)
             _ring = (os.getpid(), None, f"memfd segments are not available ({e})")
         else:
@@ -333,6 +356,47 @@ def _worker_info_hidden() -> Iterator[None]:
         worker._worker_info = saved
 
 
+class _WayChoice:
+    """Which way a worker sends what it sends (a batch, or a batch's MetaTensor): as a block, or torch's way.
+
+    Each encoded value is weighed both ways (:meth:`weigh`); once torch's way wins, values go that way without
+    being encoded (:meth:`skip_encode`) until a re-check after :data:`RECHECK_AFTER` of them, and twice as many
+    after each re-check that confirms it, up to 16 times that.
+
+    Args:
+        torch_cheaper: the way to start with (the last choice of the loader's earlier workers).
+    """
+
+    def __init__(self, torch_cheaper: bool = False) -> None:
+        self.torch_cheaper = torch_cheaper
+        self.sends = 0
+        self.recheck_every = RECHECK_AFTER
+        self.recheck_at = RECHECK_AFTER if torch_cheaper else 0
+
+    def skip_encode(self) -> bool:
+        """Count a send; True while torch's way stands and no re-check is due."""
+        self.sends += 1
+        return self.torch_cheaper and self.sends <= self.recheck_at
+
+    def weigh(self, encoded: Encoded, shared_bytes: int = 0) -> bool:
+        """Estimate both ways for ``encoded`` (``shared_bytes`` of its data already in shared memory, which
+        torch's way sends without a copy); True, and torch's way until the next re-check, if torch's wins."""
+        header, data = len(encoded.header), encoded.nbytes - encoded.data_offset
+        torch_s = (
+            TORCH_PER_TENSOR_S * encoded.tensors
+            + TORCH_PER_BYTE_S * max(0, data - shared_bytes)
+            + TORCH_PER_HEADER_BYTE_S * header
+        )
+        block_s = BLOCK_PER_HEADER_BYTE_S * header + BLOCK_PER_BYTE_S * data
+        cheaper = torch_s < block_s
+        if cheaper:
+            if self.torch_cheaper:  # confirmed: re-check less often
+                self.recheck_every = min(2 * self.recheck_every, 16 * RECHECK_AFTER)
+            self.recheck_at = self.sends + self.recheck_every
+        self.torch_cheaper = cheaper
+        return cheaper
+
+
 class _BlockCollate:
     """Collate, then move the batch into a block of this worker's ring (in DataLoader workers only).
 
@@ -342,6 +406,7 @@ class _BlockCollate:
         token: identifies the loader, so that each loader warns once.
         pool: ``(descriptor, inode)`` in the main process of free segments of earlier workers, shared out among
             the workers.
+        torch_cheaper: the way the loader's earlier workers chose last (see :class:`_WayChoice`).
     """
 
     def __init__(
@@ -356,18 +421,17 @@ class _BlockCollate:
         self.main_pid = main_pid
         self.token = token
         self.pool = pool
-        # per worker (each has its own copy): which way the last estimate chose, and when torch's is re-checked
-        self.torch_cheaper = self.reported = torch_cheaper
-        self.batches = 0
-        self.recheck_every = RECHECK_AFTER
-        self.recheck_at = RECHECK_AFTER if torch_cheaper else 0
+        # per worker (each has its own copy): which way the batches go, and which the main process last heard of
+        self.way = _WayChoice(torch_cheaper)
+        self.reported = torch_cheaper
 
     def __call__(self, samples: Any) -> Any:
         if torch_data_utils.worker._worker_info is None:  # not in a worker: nothing to move
             return self.collate_fn(samples)
-        ring, why_not = _worker_ring(self)
-        self.batches += 1
-        if ring is not None and self.torch_cheaper and self.batches <= self.recheck_at:
+        global _block_collate_here
+        _block_collate_here = True
+        ring, why_not = _worker_ring(self.main_pid, self.pool)
+        if self.way.skip_encode() and ring is not None:
             return self.collate_fn(samples)  # exactly monai.data.DataLoader's way: no encode to pay
         with _worker_info_hidden():
             batch = self.collate_fn(samples)
@@ -375,7 +439,7 @@ class _BlockCollate:
             return _TorchPath(batch, f"batches take torch's path: {why_not}", self.token)
         try:  # exact: what a decode cannot give back as torch's pickling would takes torch's path
             encoded = encode(batch, exact=True)
-            if self._torch_is_cheaper(encoded):
+            if self.way.weigh(encoded):
                 return self._report(batch)
             handle = ring.put(encoded)
         except UnsupportedValueError as e:
@@ -391,25 +455,140 @@ class _BlockCollate:
             )
         return self._report(handle)
 
-    def _torch_is_cheaper(self, encoded: Encoded) -> bool:
-        """Estimate both ways for this batch; when torch's wins, it is taken until the next re-check."""
-        header, data = len(encoded.header), encoded.nbytes - encoded.data_offset
-        torch_s = TORCH_PER_TENSOR_S * encoded.tensors + TORCH_PER_BYTE_S * data + TORCH_PER_HEADER_BYTE_S * header
-        block_s = BLOCK_PER_HEADER_BYTE_S * header + BLOCK_PER_BYTE_S * data
-        cheaper = torch_s < block_s
-        if cheaper:
-            if self.torch_cheaper:  # confirmed: re-check less often
-                self.recheck_every = min(2 * self.recheck_every, 16 * RECHECK_AFTER)
-            self.recheck_at = self.batches + self.recheck_every
-        self.torch_cheaper = cheaper
-        return cheaper
-
     def _report(self, batch: Any) -> Any:
         """The batch as sent; when the choice changed, marked so that the main process hands it to later workers."""
-        if self.torch_cheaper == self.reported:
+        if self.way.torch_cheaper == self.reported:
             return batch
-        self.reported = self.torch_cheaper
-        return _Choice(batch, self.token, self.torch_cheaper)
+        self.reported = self.way.torch_cheaper
+        return _Choice(batch, self.token, self.reported)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Another loader's workers reading our datasets: each MetaTensor of a batch as one block
+# ---------------------------------------------------------------------------------------------------------
+
+_block_collate_here = False  # a _BlockCollate runs in this process (our loader's worker): it moves the batches
+_meta_blocks_checked = False  # this process has looked whether it is a DataLoader worker (reset in forked children)
+_meta_way = _WayChoice()
+
+
+def send_meta_tensors_as_blocks() -> None:
+    """In a worker of another DataLoader (``monai.data.DataLoader``, torch's), send each MetaTensor as one block.
+
+    monai_cache's datasets call this on every read; after the first call in a process it costs a test. torch's
+    workers pickle a batch with ``multiprocessing``'s ``ForkingPickler``, which sends every tensor as a
+    shared-memory file of its own: a collated MetaTensor with its ``meta`` and ``applied_operations`` is about fifty.
+    In a worker, this registers :func:`_reduce_meta_tensor` with ``ForkingPickler`` (in that process only): a
+    MetaTensor is encoded exactly into one block of the worker's ring, as :class:`DataLoader` does for a whole batch,
+    and the main process decodes it as the same MetaTensor. What cannot travel so exactly takes torch's way.
+    """
+    global _meta_blocks_checked
+    _meta_blocks_checked = True
+    if torch_data_utils.worker._worker_info is None:
+        return
+    from multiprocessing.reduction import ForkingPickler
+
+    from monai.data import MetaTensor
+
+    ForkingPickler.register(MetaTensor, _reduce_meta_tensor)
+
+
+def _forget_meta_blocks_check() -> None:
+    global _meta_blocks_checked, _block_collate_here, _meta_way
+    _meta_blocks_checked = _block_collate_here = False
+    _meta_way = _WayChoice()
+
+
+os.register_at_fork(after_in_child=_forget_meta_blocks_check)
+
+
+def _reduce_meta_tensor(mt: Any) -> Any:
+    """How ``ForkingPickler`` sends a MetaTensor from a DataLoader worker: as a block when it can, else as pickle."""
+    if not _block_collate_here and torch_data_utils.worker._worker_info is not None:
+        handle = _meta_tensor_block(mt)
+        if handle is not None:
+            return _receive_meta_tensor, handle.where
+    return mt.__reduce_ex__(pickle.DEFAULT_PROTOCOL)  # what pickle does without this reducer
+
+
+def _meta_tensor_block(mt: Any) -> _BlockHandle | None:
+    """``mt`` written into a block of this worker's ring, or None where torch's way is the exact or cheaper one."""
+    ring, _why = _worker_ring(os.getppid(), [])  # a DataLoader's workers are children of the process iterating it
+    if ring is None or _meta_way.skip_encode():
+        return None
+    try:
+        encoded = encode(mt, exact=True)
+        if _meta_way.weigh(encoded, shared_bytes=_nbytes(mt) if mt.is_shared() else 0):
+            return None
+        handle = ring.put(encoded)
+    except (UnsupportedValueError, OSError, ValueError, RecursionError):
+        return None  # as DataLoader's batches: a value the codec cannot store exactly, no memory for a segment, ...
+    objects = encoded.objects
+    del encoded  # its buffers and copies hold references to the objects
+    if handle is not None and not _held_only_by(mt, objects):
+        ring.cancel(handle)  # something else shares part of it: torch's way keeps that sharing, a block would not
+        return None
+    return handle
+
+
+def _nbytes(t: Any) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return int(t.untyped_storage().nbytes())
+
+
+def _most_references(objects: list[tuple[Any, int]], skip: Any = None) -> int:
+    """The most references any of ``objects`` but ``skip`` has beyond the ``met`` the value itself holds."""
+    most = -(1 << 30)
+    for obj, met in objects:
+        if obj is not skip:
+            most = max(most, sys.getrefcount(obj) - met)
+    return most
+
+
+def _storage_holders(t: Any) -> tuple[int, int]:
+    """How many tensors hold ``t``'s memory, and the references to its view base (-1: none), as seen from here."""
+    assert _storage_use_count is not None
+    with torch._C.DisableTorchFunctionSubclass():
+        base = t._base
+        uses = _storage_use_count(t.untyped_storage()._cdata)
+    return uses, -1 if base is None else sys.getrefcount(base)
+
+
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+@functools.lru_cache(maxsize=1)
+def _alone() -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """What :func:`_most_references` and :func:`_storage_holders` give for objects nothing else holds: a fresh list,
+    a fresh tensor, and a MetaTensor whose view base (torch makes one for a subclass) nothing else holds."""
+    from monai.data import MetaTensor
+
+    return (
+        _most_references([([], 0)]),
+        _storage_holders(torch.empty(1)),
+        _storage_holders(torch.empty(1).as_subclass(MetaTensor)),
+    )
+
+
+def _held_only_by(mt: Any, objects: list[tuple[Any, int]]) -> bool:
+    """Whether nothing but ``mt`` holds its containers, arrays and tensors, nor shares its tensors' memory.
+
+    A batch whose MetaTensor shares an object or a tensor's memory with the rest of the batch (or with anything
+    else in the worker, such as a transform's attribute) arrives from torch's way sharing it as well; from a block,
+    it would arrive as a copy. Those take torch's way. Objects are counted by reference counts, tensors' memory by
+    how many tensors hold it; both against a probe that nothing else holds.
+    """
+    if _storage_use_count is None:
+        return False
+    refs, plain, subclass = _alone()
+    if len(objects) > 1 and _most_references(objects, skip=mt) != refs:  # mt itself: the batch and pickle hold it
+        return False
+    for obj, _met in objects:
+        if isinstance(obj, torch.Tensor):
+            holders = _storage_holders(obj)
+            if holders != (plain if holders[1] == -1 else subclass):
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -498,6 +677,36 @@ def _receive_block(pid: int, control_fd: int, control_ino: int, slot: int, fd: i
             _release(att.control, slot)
         raise RuntimeError(f"monai_cache.DataLoader: cannot read the batch that worker {pid} sent ({e})") from e
     weakref.finalize(buffer, _release, att.control, slot).atexit = False
+    return decode(memoryview(buffer))  # type: ignore[arg-type]
+
+
+def _map_proc_fd(pid: int, fd: int, ino: int, size: int, populate: bool) -> mmap.mmap:
+    """Map ``size`` bytes of process ``pid``'s descriptor ``fd`` (checked to be the file ``ino``)."""
+    mine = _open_proc_fd(pid, fd, ino)
+    try:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(mine, size, flags=flags)
+    finally:
+        os.close(mine)
+
+
+def _receive_meta_tensor(pid: int, control_fd: int, control_ino: int, slot: int, fd: int, ino: int, nbytes: int) -> Any:
+    """Unpickling a MetaTensor that another loader's worker sent as a block (:func:`_reduce_meta_tensor`).
+
+    The segment is mapped for as long as the MetaTensor's tensors live, then marked free for the worker. No
+    descriptor or mapping is kept beyond that: these loaders have no pool, and their workers may come and go.
+    """
+    try:
+        control = _map_proc_fd(pid, control_fd, control_ino, _CONTROL_SIZE, populate=False)
+    except OSError as e:
+        raise RuntimeError(f"cannot read the MetaTensor that DataLoader worker {pid} sent ({e})") from e
+    try:
+        segment = _map_proc_fd(pid, fd, ino, nbytes, populate=True)
+    except OSError as e:
+        _release(control, slot)
+        raise RuntimeError(f"cannot read the MetaTensor that DataLoader worker {pid} sent ({e})") from e
+    buffer = np.frombuffer(segment, dtype=np.uint8, count=nbytes)
+    weakref.finalize(buffer, _release, control, slot).atexit = False
     return decode(memoryview(buffer))  # type: ignore[arg-type]
 
 

@@ -20,7 +20,7 @@ from monai.data.utils import SUPPORTED_PICKLE_MOD, pickle_hashing
 from monai.utils import look_up_option
 from torch.serialization import DEFAULT_PROTOCOL
 
-from monai_cache import codec, compat
+from monai_cache import codec, compat, loader
 from monai_cache.disk import DiskStore
 from monai_cache.disk_format import DEFAULT_COMPRESSION_LEVEL, DISK_FORMAT_VERSION, StoredEntry, entry_key
 from monai_cache.fingerprint import cacheable_transforms, chain_fingerprint, fingerprint, library_versions
@@ -356,6 +356,8 @@ class PersistentDataset(_MonaiPersistentDataset):
         Returns:
             The transformed data item, either from cache, or explicitly computing it.
         """
+        if not loader._meta_blocks_checked:  # first read in this process: in another loader's worker?
+            loader.send_meta_tensors_as_blocks()
         store = self._get_store()
 
         def compute() -> Any:

@@ -152,6 +152,84 @@ def test_batches_of_many_small_items_take_torch_path_where_it_is_cheaper(dataset
     assert all(b["image"].is_shared() for epoch in ours for b in epoch)  # torch's shared memory, as MONAI's
 
 
+@pytest.fixture(scope="module")
+def our_dataset(files):
+    """monai_cache's CacheDataset over the same chain (its cache in shared memory, filled in this process)."""
+    ds = monai_cache.CacheDataset(files, tutorial_transforms(spatial_size=CROP, num_samples=2), progress=False)
+    yield ds
+    ds.release()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent-workers"])
+def test_our_dataset_through_monai_dataloader_sends_each_meta_tensor_as_a_block(dataset, our_dataset, persistent):
+    """Read in monai.data.DataLoader's workers, our datasets have each MetaTensor of a batch pickled as one block
+    (torch's way: about fifty shared-memory files); the batches are MONAI's, and nothing stays mapped after them."""
+    before = len(block_ranges())
+    kwargs = {"batch_size": 2, "num_workers": 2, "persistent_workers": persistent}
+    theirs = epochs(monai.data.DataLoader, dataset, n=2, **kwargs)
+    ours = epochs(monai.data.DataLoader, our_dataset, n=2, **kwargs)
+    for a, b in zip(ours, theirs):
+        assert_batches_equal(a, b)
+    assert all(in_block(b["image"]) and in_block(b["label"]) for epoch in ours for b in epoch)
+    assert len(block_ranges()) > before
+    del ours, a
+    gc.collect()
+    assert len(block_ranges()) == before  # each MetaTensor mapped its block for as long as it lived
+
+
+def shares_across(samples: list) -> dict:
+    """MONAI's batch, plus what pickling keeps shared between its parts: one tensor in the image's and the label's
+    meta, and a plain tensor on the image's memory."""
+    batch = list_data_collate(samples)
+    batch["label"].meta["same_affine"] = batch["image"].meta["affine"]
+    batch["image_data"] = batch["image"].as_tensor()
+    return batch
+
+
+def test_meta_tensors_sharing_with_the_rest_of_the_batch_take_torch_way(dataset, our_dataset):
+    kwargs = {"batch_size": 2, "num_workers": 1, "collate_fn": shares_across}
+    theirs = epochs(monai.data.DataLoader, dataset, **kwargs)[0]
+    ours = epochs(monai.data.DataLoader, our_dataset, **kwargs)[0]
+    assert_batches_equal(ours, theirs)  # sharing() included: the affine is one tensor in both MetaTensors
+    for b in ours:
+        assert not in_block(b["image"]) and not in_block(b["label"])
+        assert b["image_data"].untyped_storage().data_ptr() == b["image"].untyped_storage().data_ptr()
+
+
+def test_held_only_by_counts_every_other_holder():
+    """The check behind the test above, object by object: a block is taken only for what nothing else holds."""
+    from monai.data import MetaTensor
+
+    from monai_cache.codec import encode
+    from monai_cache.loader import _held_only_by
+
+    def fresh() -> MetaTensor:
+        t = MetaTensor(torch.zeros(2, 3), affine=torch.eye(4))
+        t.meta["grid"] = np.arange(3)
+        t.applied_operations = [{"extra_info": {"m": torch.ones(2)}}]
+        t.applied_operations.append(t.applied_operations[0])  # twice in the value itself: still its own
+        return t
+
+    def alone(t: MetaTensor) -> bool:
+        objects = encode(t, exact=True).objects  # the encoding's own references are gone with it
+        return _held_only_by(t, objects)
+
+    assert alone(fresh())
+    for hold in (
+        lambda t: t.meta["affine"],  # a tensor of the value
+        lambda t: t.meta,  # a container
+        lambda t: t.meta["grid"],  # an array
+        lambda t: t.meta["affine"][:2],  # a view of a tensor's memory
+        lambda t: t.as_tensor(),  # the MetaTensor's own memory
+        lambda t: t.applied_operations[0]["extra_info"]["m"].view(1, 2),
+    ):
+        t = fresh()
+        held = hold(t)
+        assert not alone(t)
+        del held
+        assert alone(t)
+
+
 def test_spawn_and_persistent_workers_over_epochs(dataset):
     kwargs = {"batch_size": 2, "num_workers": 1, "persistent_workers": True}  # 1: each spawned worker imports MONAI
     theirs = epochs(monai.data.DataLoader, dataset, n=2, **kwargs)
