@@ -90,7 +90,8 @@ MAX_SEGMENTS = 64
 """Segments per worker: the most batches of one worker that can be alive in the main process at once before
 further batches take torch's path (one warning). Each also holds a descriptor in the worker."""
 SPARE_SEGMENTS = 2
-"""Free segments a worker keeps for reuse; it gives back the others (smallest first) after each batch."""
+"""Free segments a worker keeps for reuse; it gives back the others (smallest first) after each batch. Twice as many
+in a worker of another loader, which sends a block per MetaTensor (:func:`send_meta_tensors_as_blocks`)."""
 _FREE, _BUSY, _RETIRED = 0, 1, 2  # one byte per segment in the control page
 
 # What moving a batch costs, in CPU seconds of the worker and the main process together (fitted on 2 cores with
@@ -199,6 +200,7 @@ class _Ring:
 
     def __init__(self, main_pid: int, adopt: list[tuple[int, int]], inherited: list[tuple[int, int]]) -> None:
         self.pid = os.getpid()
+        self.spare = SPARE_SEGMENTS  # free segments kept for reuse
         self.segments: list[_Segment | None] = [None] * MAX_SEGMENTS
         self.control_fd = os.memfd_create("monai_cache-batch-control", os.MFD_CLOEXEC)
         os.ftruncate(self.control_fd, _CONTROL_SIZE)
@@ -248,12 +250,12 @@ class _Ring:
         return empty
 
     def _trim(self) -> None:
-        """Give back free segments beyond :data:`SPARE_SEGMENTS`, smallest first."""
+        """Give back free segments beyond :attr:`spare`, smallest first."""
         free = [s for s, seg in enumerate(self.segments) if seg is not None and self.control[s] == _FREE]
-        if len(free) <= SPARE_SEGMENTS:
+        if len(free) <= self.spare:
             return
         free.sort(key=lambda s: self.segments[s].size)  # type: ignore[union-attr]
-        for slot in free[: len(free) - SPARE_SEGMENTS]:
+        for slot in free[: len(free) - self.spare]:
             self.control[slot] = _RETIRED  # the main process drops its hold when it next looks
             self.segments[slot].close()  # type: ignore[union-attr]
             self.segments[slot] = None
@@ -516,6 +518,7 @@ def _meta_tensor_block(mt: Any) -> _BlockHandle | None:
     ring, _why = _worker_ring(os.getppid(), [])  # a DataLoader's workers are children of the process iterating it
     if ring is None or _meta_way.skip_encode():
         return None
+    ring.spare = 2 * SPARE_SEGMENTS  # a block per MetaTensor: a batch of MONAI's dicts has two (image, label)
     try:
         encoded = encode(mt, exact=True)
         if _meta_way.weigh(encoded, shared_bytes=_nbytes(mt) if mt.is_shared() else 0):
