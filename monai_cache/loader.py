@@ -507,7 +507,11 @@ os.register_at_fork(after_in_child=_forget_meta_blocks_check)
 def _reduce_meta_tensor(mt: Any) -> Any:
     """How ``ForkingPickler`` sends a MetaTensor from a DataLoader worker: as a block when it can, else as pickle."""
     if not _block_collate_here and torch_data_utils.worker._worker_info is not None:
-        handle = _meta_tensor_block(mt)
+        try:
+            handle = _meta_tensor_block(mt)
+        except Exception as e:  # a way to move a batch faster must never be why it is not moved
+            _log.debug("a MetaTensor takes torch's way: %s: %s", type(e).__name__, e)
+            handle = None
         if handle is not None:
             return _receive_meta_tensor, handle.where
     return mt.__reduce_ex__(pickle.DEFAULT_PROTOCOL)  # what pickle does without this reducer
@@ -528,10 +532,15 @@ def _meta_tensor_block(mt: Any) -> _BlockHandle | None:
         return None  # as DataLoader's batches: a value the codec cannot store exactly, no memory for a segment, ...
     objects = encoded.objects
     del encoded  # its buffers and copies hold references to the objects
-    if handle is not None and not _held_only_by(mt, objects):
-        ring.cancel(handle)  # something else shares part of it: torch's way keeps that sharing, a block would not
+    if handle is None:
         return None
-    return handle
+    alone = False
+    try:
+        alone = _held_only_by(mt, objects)
+    finally:
+        if not alone:  # something else shares part of it (torch's way keeps that sharing), or the check raised
+            ring.cancel(handle)
+    return handle if alone else None
 
 
 def _nbytes(t: Any) -> int:
