@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import mmap
 import os
@@ -537,6 +538,10 @@ def _meta_tensor_block(mt: Any) -> _BlockHandle | None:
     alone = False
     try:
         alone = _held_only_by(mt, objects)
+        if not alone and gc.collect(1):
+            # what held them may have been garbage in reference cycles (MONAI 1.3's crops): a young collection
+            # frees it without walking what the worker inherited (a full one would copy those pages)
+            alone = _held_only_by(mt, objects)
     finally:
         if not alone:  # something else shares part of it (torch's way keeps that sharing), or the check raised
             ring.cancel(handle)
