@@ -697,12 +697,11 @@ def _receive_block(pid: int, control_fd: int, control_ino: int, slot: int, fd: i
     return decode(memoryview(buffer))  # type: ignore[arg-type]
 
 
-def _map_proc_fd(pid: int, fd: int, ino: int, size: int, populate: bool) -> mmap.mmap:
-    """Map ``size`` bytes of process ``pid``'s descriptor ``fd`` (checked to be the file ``ino``)."""
+def _map_proc_fd(pid: int, fd: int, ino: int, size: int) -> mmap.mmap:
+    """:func:`_map` of ``size`` bytes of process ``pid``'s descriptor ``fd`` (checked to be the file ``ino``)."""
     mine = _open_proc_fd(pid, fd, ino)
     try:
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        return mmap.mmap(mine, size, flags=flags)
+        return _map(mine, size)
     finally:
         os.close(mine)
 
@@ -714,11 +713,11 @@ def _receive_meta_tensor(pid: int, control_fd: int, control_ino: int, slot: int,
     descriptor or mapping is kept beyond that: these loaders have no pool, and their workers may come and go.
     """
     try:
-        control = _map_proc_fd(pid, control_fd, control_ino, _CONTROL_SIZE, populate=False)
+        control = _map_proc_fd(pid, control_fd, control_ino, _CONTROL_SIZE)
     except OSError as e:
         raise RuntimeError(f"cannot read the MetaTensor that DataLoader worker {pid} sent ({e})") from e
     try:
-        segment = _map_proc_fd(pid, fd, ino, nbytes, populate=True)
+        segment = _map_proc_fd(pid, fd, ino, nbytes)
     except OSError as e:
         _release(control, slot)
         raise RuntimeError(f"cannot read the MetaTensor that DataLoader worker {pid} sent ({e})") from e
