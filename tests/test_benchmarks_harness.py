@@ -106,9 +106,10 @@ def test_bench_cache_launch_two_ranks(tmp_path):
     assert not os.path.exists(shm_dir)
 
 
-def test_one_entry_point_runs_every_suite(capsys):
+def test_one_entry_point_runs_every_suite(capsys, monkeypatch):
     """``python -m benchmarks`` lists the suites; each names a script of benchmarks/ with a main() that parses
     its own options (``--help`` exits before running anything)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the entry point sets the suite's argv, as a script's would be
     entry = importlib.import_module("benchmarks.__main__")
     assert entry.main([]) == 0
     listed = capsys.readouterr().out

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import torch
 import torch.distributed as dist
 from monai.transforms import Lambdad

@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import monai.data
 import monai.transforms as mt
 import numpy as np

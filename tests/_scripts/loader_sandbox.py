@@ -15,6 +15,7 @@ import subprocess
 import sys
 import warnings
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import monai.data
 import torch
 

@@ -18,6 +18,7 @@ import signal
 import sys
 from datetime import timedelta
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import torch
 import torch.distributed as dist
 from monai.transforms import Lambdad

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import monai.data
 import monai.transforms as mt
 import numpy as np

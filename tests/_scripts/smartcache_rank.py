@@ -12,6 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _minimal_monai  # noqa: F401  (first: MONAI as a plain install gives it)
 import torch
 import torch.distributed as dist
 from helpers import chain
