@@ -12,6 +12,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -33,6 +34,14 @@ from monai.transforms import (
 )
 
 KEYS = ("image", "label")
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
+
+
+def python_c(code: str) -> list[str]:
+    """The command line of ``python -c code``, with MONAI as a plain install gives it, as the suite's scripts import it
+    (tests/_scripts/_minimal_monai.py): half the CPU of an interpreter that imports MONAI."""
+    prelude = f"import sys; sys.path.insert(0, {SCRIPTS!r}); import _minimal_monai; del sys.path[0]\n"
+    return [sys.executable, "-c", prelude + code]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

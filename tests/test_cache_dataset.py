@@ -12,7 +12,7 @@ import monai.data
 import numpy as np
 import pytest
 import torch
-from helpers import RandZeroInPlace, Times10, chain, read_calls
+from helpers import RandZeroInPlace, Times10, chain, python_c, read_calls
 from monai.data import DataLoader
 from monai.transforms import Compose, RandomizableTrait, Transform
 from test_codec import assert_same
@@ -388,14 +388,13 @@ sys.stdin.readline()  # hold the cache until the test is done
 def test_set_data_recomputes_even_while_another_process_uses_the_old_cache(shm_dir, tmp_path):
     """Another rank still holds the cache when this one calls set_data after the files changed."""
     import subprocess
-    import sys
 
     path = tmp_path / "value.txt"
     path.write_text("1")
     data = [{"path": str(path)}]
     ours = monai_cache.CacheDataset(data, ReadNumber(), progress=False)
     script = OTHER_RANK.format(tests=os.path.dirname(os.path.abspath(__file__)), data=data)
-    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(python_c(script), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         value, other_path = other.stdout.readline().split()
         assert float(value) == 1.0 and other_path == ours._cache.path  # one cache, two processes
@@ -524,11 +523,10 @@ print(ds.cache_stats()["stored"]["entries"], ds.cache_stats()["total"]["skipped"
 def test_item_the_codec_cannot_store_warns_once_across_dataloader_workers(shm_dir, volumes):
     """Real worker processes, whose warnings go to their own stderr: one warning for the whole run."""
     import subprocess
-    import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = UNSTORABLE_IN_WORKERS.format(tests=tests, data=volumes)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(python_c(script), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("is not cached") == 1, r.stderr
     entries, skipped = (int(x) for x in r.stdout.split())
@@ -611,7 +609,6 @@ os._exit(0)  # the caches are kept warm; skip interpreter teardown racing the Da
 
 def test_worker_killed_mid_epoch_leaves_nothing_bad_and_nothing_blocking(shm_dir, volumes):
     import subprocess
-    import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
     tr = chain()
@@ -621,7 +618,7 @@ def test_worker_killed_mid_epoch_leaves_nothing_bad_and_nothing_blocking(shm_dir
     for path in trial_dirs:
         os.makedirs(path)
     script = KILLED_WORKER.format(tests=tests, shm_dirs=trial_dirs, data=volumes)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(python_c(script), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     outcomes = r.stdout.splitlines()  # one a line: "finished before the kill" is one outcome
     assert len(outcomes) == len(trial_dirs), (r.stdout, r.stderr[-3000:])

@@ -12,7 +12,7 @@ import uuid
 from collections import Counter
 
 import pytest
-from helpers import chain, free_port, read_calls
+from helpers import chain, free_port, python_c, read_calls
 
 import monai_cache
 
@@ -94,7 +94,7 @@ def test_second_independent_process_computes_nothing_the_first_cached(shm_dir, v
             ds = monai_cache.CacheDataset({volumes!r}, chain({log!r}), progress=False)
             print(ds._cache.path, flush=True)
         """)
-        second = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300)
+        second = subprocess.run(python_c(build), capture_output=True, text=True, timeout=300)
         assert second.returncode == 0, second.stderr
         assert second.stdout.strip() == first._cache.path
     finally:

@@ -19,7 +19,6 @@ import random
 import signal
 import struct
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -30,7 +29,13 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from helpers import assert_same, mounted_tmpfs, one_torch_thread, open_for_writing  # noqa: F401 (an autouse fixture)
+from helpers import (  # noqa: F401 (an autouse fixture)
+    assert_same,
+    mounted_tmpfs,
+    one_torch_thread,
+    open_for_writing,
+    python_c,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -418,7 +423,7 @@ def test_pending_writes_flushed_when_the_main_process_exits(tmp_path):
         print(store.stats()["process"]["writes_pending"])
         """
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_c(script), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "2"  # still pending when the script ended
     for key in "ab":

@@ -20,7 +20,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from helpers import assert_signature_extends, bits, one_torch_thread, open_for_writing  # noqa: F401 (autouse)
+from helpers import assert_signature_extends, bits, one_torch_thread, open_for_writing, python_c  # noqa: F401 (autouse)
 from monai.data import DataLoader, MetaTensor
 from monai.data import PersistentDataset as MonaiPersistentDataset
 from monai.data.utils import pickle_hashing
@@ -280,10 +280,9 @@ print(ds.cache_stats()["process"]["writes_pending"])
 def test_main_process_flushes_pending_writes_at_normal_exit(tmp_path):
     """num_workers=0, notebooks, validation loops: the exit flush in the process that built the dataset."""
     import subprocess
-    import sys
 
     script = MAIN_PROCESS_EXIT.format(tests=os.path.dirname(os.path.abspath(__file__)), cache_dir=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_c(script), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
     assert int(r.stdout.split()[-1]) >= 2  # writes were pending when the script ended
     assert len(our_files(tmp_path)) == 6
@@ -317,10 +316,9 @@ print(float(ds[0]["v"][0]), float(ds[1]["v"][1]))
 
 def test_a_fifo_in_the_cache_dir_never_blocks_a_reader(tmp_path):
     import subprocess
-    import sys
 
     script = FIFO_READER.format(cache_dir=str(tmp_path / "c"))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_c(script), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0.0", "2.0"]
 

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import python_c
 
 from monai_cache import runtime, shm_directory
 from monai_cache.errors import CacheFullWarning
@@ -575,7 +576,7 @@ print(sorted(name for name in os.listdir(root) if not name.startswith(".")))
 
 def test_dataset_garbage_collected_while_a_cache_is_joined_does_not_deadlock(shm_dir):
     """Its finalizer releases its cache later, once this thread holds no lock (it hung before)."""
-    r = subprocess.run([sys.executable, "-c", GC_INSIDE_THE_LOCKS], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_c(GC_INSIDE_THE_LOCKS), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"  # every cache released, the collected ones included
 

@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import chain, one_torch_thread, read_calls  # noqa: F401 (an autouse fixture)
+from helpers import chain, one_torch_thread, python_c, read_calls  # noqa: F401 (an autouse fixture)
 
 import monai_cache
 from monai_cache import disk_format, runtime, shm_directory
@@ -40,7 +40,7 @@ def same(a: dict, b: dict) -> None:
 
 def run_independent(code: str) -> str:
     """Run ``code`` in a fresh, independently started interpreter (as another rank or a later run would)."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(python_c(textwrap.dedent(code)), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
