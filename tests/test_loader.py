@@ -28,6 +28,7 @@ from monai.utils.enums import TraceKeys
 from torch.utils.data import default_convert
 
 import monai_cache
+from monai_cache.compat import MONAI_VERSION
 from monai_cache.errors import BatchFallbackWarning
 from monai_cache.loader import MAX_SEGMENTS, DataLoader
 from monai_cache.runtime import pid_alive
@@ -41,7 +42,6 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scripts")
 SHAPE = (40, 40, 24)
 CROP = (16, 16, 8)
 BLOCK = "memfd:monai_cache-batch"
-MONAI_VERSION = tuple(int(p) for p in monai.__version__.split(".")[:2])
 
 
 @pytest.fixture(scope="module")
