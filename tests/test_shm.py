@@ -288,11 +288,13 @@ def entry_location(store: SharedMemoryStore, i: int) -> tuple[str, int, int]:
 
 
 def damage_entry(store: SharedMemoryStore, i: int, damage: str) -> None:
-    """Damage entry i where ``damage`` says: its index ``slot``, or its blob's ``header`` or ``payload``."""
+    """Damage entry i where ``damage`` says: its index slot's tag (``slot``) or segment number (``slot-segment``:
+    a segment that does not exist, which only the slot's checksum tells from an entry that is simply gone), or its
+    blob's ``header`` or ``payload``."""
     path, offset, length = entry_location(store, i)
-    if damage == "slot":
+    if damage.startswith("slot"):
         with open(os.path.join(store.path, "index"), "r+b") as f:
-            f.seek(shm_directory.SLOT_SIZE * i + 4)
+            f.seek(shm_directory.SLOT_SIZE * i + (0 if damage == "slot-segment" else 4))
             f.write(b"\x07")
     else:
         with open(path, "r+b") as f:
@@ -301,7 +303,7 @@ def damage_entry(store: SharedMemoryStore, i: int, damage: str) -> None:
 
 
 @pytest.mark.parametrize("size", [1000, 400_000, 2_000_000])  # packed into a segment / a file of its own
-@pytest.mark.parametrize("damage", ["payload", "header", "slot"])
+@pytest.mark.parametrize("damage", ["payload", "header", "slot", "slot-segment"])
 @pytest.mark.parametrize("verify", [False, True])
 def test_corrupt_entry_reported_once_removed_and_recomputed(shm_dir, size, damage, verify):
     store = SharedMemoryStore("corrupt", 2, verify=verify)
