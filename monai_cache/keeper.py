@@ -245,7 +245,15 @@ def _watch_main(path: str, root: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the end of a job reaches us too: outlive it
         signal.signal(sig, signal.SIG_IGN)
     try:
-        mark = os.open(os.path.join(path, _WATCHER), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        # The starter does not wait for us: by now the cache may be gone and its path taken by a directory of
+        # another user (whom root could write to). Mark only a directory of ours, the one we checked.
+        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            if os.fstat(directory).st_uid != os.getuid():
+                os._exit(0)
+            mark = os.open(_WATCHER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+        finally:
+            os.close(directory)
         fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os._exit(0)  # the cache went, or another watcher has it

@@ -373,3 +373,29 @@ def test_cache_directories_planted_by_another_user_in_our_root_are_not_removed(p
         monai_cache.cli.main(["clear", "--shm-dir", public_shm_dir])
     after = {p: tree_files(p) if os.path.isdir(p) else None for p in planted}
     assert after == before, "another user's cache directories were removed"
+
+
+def _watch_late(path: str, root: str) -> None:
+    from monai_cache import keeper
+
+    keeper.main(["watch", path, root])  # exits the process (os._exit)
+
+
+@needs_root
+def test_a_late_watcher_leaves_another_users_directory_at_its_path_alone(public_shm_dir):
+    """A watcher starts without its starter waiting (keeper.watch): by the time it runs, the cache may have gone and
+    its path be taken by another user's directory (our root left world-writable, as above). Run as root, the watcher
+    must not mark it. (Seen in a loaded run of the test above: a 'watcher' file in the planted directory.)"""
+    root = cache_root(public_shm_dir)
+    path = os.path.join(root, "key-" + "0" * 32)  # where our cache was; it went before its watcher ran
+    os.mkdir(path, 0o755)
+    with open(os.path.join(path, "lease"), "w"):
+        pass
+    os.chown(os.path.join(path, "lease"), NOBODY, NOBODY)
+    os.chown(path, NOBODY, NOBODY)
+    before = tree_files(path)
+    p = FORK.Process(target=_watch_late, args=(path, root))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    assert tree_files(path) == before == ["lease"], "a watcher marked another user's directory"
