@@ -611,8 +611,10 @@ def test_sweep_keeps_live_writers_temp_files(tmp_path):
 def _write_then_wait(directory: str, marker: str) -> None:
     torch.set_num_threads(1)
     store = DiskStore(directory)
-    store.put("large", item_for("large", 2 << 20))  # an entry file: renamed at the next call into the store
+    # the packed record first: a call into the store renames the entry files already written, and the writer
+    # thread may have written the large one before a call that came after it
     store.put("small", item_for("small", 4 << 10))  # a packed record: visible once its index record is written
+    store.put("large", item_for("large", 2 << 20))  # an entry file: renamed at the next call into the store
     store._writer.flush()  # the writer thread wrote both (the bound of docs/persistent.md); no call follows
     with open(marker, "w"):
         pass
