@@ -423,9 +423,16 @@ def test_a_cache_written_before_the_store_redesign_still_reads(tmp_path):
     shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "disk-cache-v1"), kept)
     kinds = sorted(n.rsplit(".", 1)[-1] for n in os.listdir(kept))
     assert kinds == ["mcache", "mcidx", "mcidx", "mcpack", "mcpack"]  # a file of its own, and two packs
-    reader = DiskStore(kept, writable=False)
-    for key, item in fixture_items().items():
-        assert_same(reader.get(key), item)
-    assert reader.stats()["process"]["corrupt"] == 0
     result = verify_disk_cache(str(kept))
     assert result["bad"] == [] and result["ok"] == 3
+    reader = DiskStore(kept, writable=False)
+    items = fixture_items()
+    stored_image, fresh_image = reader.get("packed")["image"], items["packed"]["image"]
+    if sorted(vars(stored_image)) != sorted(vars(fresh_image)):
+        # The MONAI that wrote it (1.6) gives a MetaTensor other attributes than the installed one (1.3 has no
+        # _spatial_ndim). No reader meets such a cache: every cache's name holds the MONAI version.
+        pytest.skip(f"MetaTensor attributes of the writer's MONAI {sorted(vars(stored_image))} differ from the "
+                    f"installed MONAI's {sorted(vars(fresh_image))}")
+    for key, item in items.items():
+        assert_same(reader.get(key), item)
+    assert reader.stats()["process"]["corrupt"] == 0
