@@ -14,6 +14,7 @@ import random
 import shutil
 import signal
 import time
+import tracemalloc
 import warnings
 
 import pytest
@@ -71,16 +72,73 @@ def test_small_items_are_packed_and_read_back(tmp_path, compression):
         check(reader.get(key), key)
         assert reader.contains(key)
     assert reader.get("absent") is MISSING and not reader.contains("absent")
-    gc.collect(0)  # a collection stops tracking the plain tuples of atoms it meets (never a NamedTuple)
     # No index (the writer's, the reader's) keeps an object per entry that the garbage collector tracks: 50,000 of
     # them made every forked DataLoader worker run full collections, which copied the pages it inherited.
-    assert not [loc for s in (store, reader) for loc in s._packs._map.values() if gc.is_tracked(loc)]
+    for s in (store, reader):
+        s._packs._merge()
+        assert not s._packs._recent and len(s._packs._columns[0]) == len(keys)
     s = reader.stats()["process"]
     assert s["hits"] == len(keys) and s["misses"] == 1 and s["corrupt"] == 0
     assert len(list(reader.entries())) == len(keys)
     assert store.stats()["process"]["writes"] == len(keys)
     loc = reader.location("k7")
     assert loc.packed and loc.path == str(tmp_path / packs(tmp_path)[0])
+
+
+def index_bytes(directory, keys) -> int:
+    """Memory a fresh reader of ``directory`` holds once its first lookup has read every index (tracemalloc)."""
+    reader = DiskStore(directory, writable=False)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assert reader.contains(keys[0])
+        gc.collect()  # a full collection also empties CPython's free lists (of the tuples read_index made, ...)
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_reader_keeps_a_compact_index_that_follows_rewrites_and_removed_packs(tmp_path):
+    """Every DataLoader worker of every rank keeps a reader's index: at most 64 bytes more per entry (a dict of
+    tuples took 392; tracemalloc counted 265 of them), and it serves what the indexes say after another pack rewrote
+    keys and after a pack was removed."""
+    n = 6000
+    keys = [f"k{i}" for i in range(n)]
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.mkdir()
+    small.mkdir()
+    first = DiskStore(big)
+    small_store = DiskStore(small)
+    for i, key in enumerate(keys):
+        first.put(key, item_for(key, 16))
+        if i < n // 3:
+            small_store.put(key, item_for(key, 16))
+    assert first.flush(60) and small_store.flush(60)
+    first_pack = packs(big)
+    # per entry: what a reader of 6,000 entries holds beyond one of 2,000 (fixed costs cancel out)
+    per_entry = (index_bytes(big, keys) - index_bytes(small, keys)) / (n - n // 3)
+    assert per_entry <= 64, f"{per_entry:.0f} bytes per entry"
+    reader = DiskStore(big, writable=False)
+    assert reader.contains(keys[0])
+    # another writer (its own pack) rewrites a third of the keys with other items
+    rewritten = set(keys[::3])
+    second = DiskStore(big)
+    for key in sorted(rewritten):
+        assert second.write(key, item_for(key + "+", 16), replace=True)
+    assert reader.get("absent", fresh=True) is MISSING  # an unknown key: the reader reads the new records
+    for key in random.Random(0).sample(keys, 600):
+        got = reader.get(key)
+        assert got is not MISSING and got["key"] == (key + "+" if key in rewritten else key), key
+    # the first pack goes: what only it held is gone, the rewritten keys stay
+    for name in first_pack:
+        os.remove(big / name)
+        os.remove(big / (name[: -len(PACK_SUFFIX)] + disk_format.INDEX_SUFFIX))
+    for key in random.Random(1).sample(keys, 600):
+        got = reader.get(key)
+        if key in rewritten:
+            assert got is not MISSING and got["key"] == key + "+", key
+        else:
+            assert got is MISSING, key
 
 
 def test_large_items_keep_a_file_of_their_own(tmp_path):
