@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import os
 import re
@@ -723,7 +724,8 @@ class PackIndex:
         with self._lock:
             loc = self._get(tag)
             if loc is None and (refresh or fresh or not self._loaded):
-                self._refresh_locked(fresh)
+                with _no_collections():
+                    self._refresh_locked(fresh)
                 self._loaded = True
                 loc = self._get(tag)
         return None if loc is None else PackedRecord._make(loc)
@@ -893,6 +895,21 @@ class PackIndex:
 
 
 _MERGE_MIN = 64  # recent changes kept as a dict before they are merged into PackIndex's columns
+
+
+@contextlib.contextmanager
+def _no_collections() -> Iterator[None]:
+    """No garbage collection while a reader reads the indexes. Reading every index makes a tuple or two per record,
+    freed once the records are in the columns; a collection meanwhile would find tens of thousands of them alive,
+    move them to the oldest generation and so start a full collection, which in a forked DataLoader worker writes
+    to every object the worker inherited and copies those pages (about a rank's size per worker, measured)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _empty_columns() -> tuple[np.ndarray, ...]:
