@@ -498,10 +498,9 @@ class PackedRecord(NamedTuple):
 
 
 _Loc = tuple[str, int, int, int]
-"""A :class:`PackedRecord`'s fields as a plain tuple, as :class:`PackIndex` keeps them: the garbage collector stops
-tracking a plain tuple of strings and ints, but tracks a ``NamedTuple`` for ever, and tens of thousands of tracked
-records make each forked DataLoader worker run full collections, which write to every object the worker inherited
-and so copy those pages (copy-on-write)."""
+"""A :class:`PackedRecord`'s fields as a plain tuple, as :class:`PackIndex` passes them around and holds its recent
+changes (the rest it keeps in numpy columns): the garbage collector stops tracking a plain tuple of strings and ints,
+but tracks a ``NamedTuple`` for ever."""
 
 
 def supersedes(new: _Loc, old: _Loc | None) -> bool:
