@@ -56,14 +56,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import multiprocessing
 import os
 import resource
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
@@ -181,6 +183,38 @@ def _build(config: Config, files: list[dict], transform: Any) -> Any:
     return cls(files, transform, progress=False, runtime_cache=config.runtime_cache)
 
 
+class _CollectAtEpoch:
+    """``--collect-in-workers``: the dataset, read as it is, but the first read of epoch ``epoch`` in each worker
+    runs a full garbage collection there first (the epoch in shared memory, set by the rank)."""
+
+    def __init__(self, dataset: Any, epoch_now: Any, epoch: int) -> None:
+        self.dataset, self.epoch_now, self.epoch, self.seen = dataset, epoch_now, epoch, 0
+        if hasattr(dataset, "__getitems__"):  # a batch's items in one call, as torch's fetcher does for the dataset
+            self.__getitems__ = self._getitems
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _collect_at_epoch_start(self) -> None:
+        if self.seen != self.epoch_now.value:
+            self.seen = self.epoch_now.value
+            if self.seen == self.epoch:
+                gc.collect()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._collect_at_epoch_start()
+        return self.dataset[index]
+
+    def _getitems(self, indices: Any) -> Any:
+        self._collect_at_epoch_start()
+        return self.dataset.__getitems__(indices)
+
+
+def _tree_pss(pid: int) -> int:
+    """PSS bytes of ``pid`` and its living descendants."""
+    return sum(harness._pss_bytes(p) for p in harness.process_tree([pid]))
+
+
 def _main_cpu() -> float:
     """CPU seconds of this process, all its threads (not its workers)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
@@ -215,6 +249,9 @@ def rank_main(spec_path: str) -> None:
     dataset = _build(config, files, transform)
     setup_s = time.perf_counter() - t0
     sampler = DistributedSampler(dataset, shuffle=True, seed=spec["seed"])
+    epoch_now = multiprocessing.get_context("fork").RawValue("i", 0)
+    if spec.get("collect_in_workers"):
+        dataset = _CollectAtEpoch(dataset, epoch_now, spec["collect_in_workers"])
     cls = monai_cache.DataLoader if config.loader == "ours" else monai.data.DataLoader
     workers = 0 if config.loader == "thread" else spec["workers"]
     if config.loader == "thread":  # MONAI's fast-training pattern: the random transforms in a thread of the rank
@@ -228,6 +265,7 @@ def rank_main(spec_path: str) -> None:
     epochs = []
     for epoch in range(spec["epochs"]):
         sampler.set_epoch(epoch)
+        epoch_now.value = epoch + 1
         dist.barrier()  # the ranks' epochs line up
         wall, cpu, main = time.perf_counter(), harness.tree_cpu_seconds(me), _main_cpu()
         batches = items = 0
@@ -242,7 +280,8 @@ def rank_main(spec_path: str) -> None:
         # before the next barrier (a rank waiting there spins in gloo); workers of an epoch that are not persistent
         # were reaped when the iterator ended, and count in the rank's children
         cpu, main = harness.tree_cpu_seconds(me) - cpu, _main_cpu() - main
-        epochs.append({"wall": wall, "cpu": cpu, "main_cpu": main, "batches": batches, "items": items})
+        epochs.append({"wall": wall, "cpu": cpu, "main_cpu": main, "batches": batches, "items": items,
+                       "pss": _tree_pss(me)})  # fmt: skip
     dist.barrier()  # nobody leaves (and releases a shared cache) before everyone is done
     with open(os.path.join(os.path.dirname(spec_path), f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "setup_s": setup_s, "epochs": epochs}, f)
@@ -275,7 +314,8 @@ def run_one(spec: dict[str, Any], run_dir: str) -> dict[str, Any]:
     epochs = [
         {
             "wall": max(rk["epochs"][e]["wall"] for rk in ranks),
-            **{k: sum(rk["epochs"][e][k] for rk in ranks) for k in ("cpu", "main_cpu", "batches", "items")},
+            **{k: sum(rk["epochs"][e].get(k, 0) for rk in ranks)
+               for k in ("cpu", "main_cpu", "batches", "items", "pss")},
         }
         for e in range(spec["epochs"])
     ]
@@ -302,15 +342,21 @@ def report_group(rep: harness.Report, title: str, configs: list[str], runs: dict
     rep.heading(title)
     repeats = max(len(v) for v in runs.values())
     epochs = max(len(r["epochs"]) for v in runs.values() for r in v)
-    rows = [["mode", "dataset + loader", *(f"repeat {i + 1}" for i in range(repeats))]]
-    for key in configs:
-        c = CONFIGS[key]
-        cells = ["  ".join(f"{e['wall']:.2f}/{e['cpu']:.2f}" for e in r["epochs"]) for r in runs[key]]
-        rows.append([c.mode, c.label, *cells, *[""] * (repeats - len(cells))])
-    rep.table(rows, left=2 + repeats, title=(
-        f"every epoch of every repeat, epochs 1 to {epochs} left to right, each wall/CPU of all processes (s):"
-    ))
-    rep.line()
+    def every_epoch(title: str, cell: Callable[[dict[str, Any]], str]) -> None:
+        rows = [["mode", "dataset + loader", *(f"repeat {i + 1}" for i in range(repeats))]]
+        for key in configs:
+            cells = ["  ".join(cell(e) for e in r["epochs"]) for r in runs[key]]
+            rows.append([CONFIGS[key].mode, CONFIGS[key].label, *cells, *[""] * (repeats - len(cells))])
+        rep.table(rows, left=2 + repeats, title=title)
+        rep.line()
+
+    every_epoch(f"every epoch of every repeat, epochs 1 to {epochs} left to right, each wall/CPU of all processes (s):",
+                lambda e: f"{e['wall']:.2f}/{e['cpu']:.2f}")  # fmt: skip
+    collect = {r.get("collect_in_workers") for v in runs.values() for r in v} - {None}
+    if collect:  # what the forced collection did to the memory: the process trees after each epoch
+        every_epoch(f"PSS of every process of the run after each epoch, epochs 1 to {epochs} left to right (MiB); a "
+                    f"full garbage collection forced in every worker at the start of epoch {min(collect)}:",
+                    lambda e: f"{e.get('pss', 0) / 2**20:5.0f}")  # fmt: skip
 
     base = runs.get(BASELINE, [])
     rows = [["mode", "dataset + loader", "warm wall (s)", "warm CPU (s)", "warm wall / MONAI", "warm CPU / MONAI",
@@ -418,6 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--control", action="store_true",
                         help="run MONAI's eager configuration twice per repeat and hold the second to the targets' "
                              "warm-epoch rule: what the machine's noise alone gives")
+    parser.add_argument("--collect-in-workers", type=int, metavar="EPOCH",
+                        help="force a full garbage collection in every DataLoader worker at the start of epoch EPOCH "
+                             "(forked workers) and print the process trees' PSS after each epoch: what such a "
+                             "collection costs where it runs by itself")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: a few minutes")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "monai-cache-bench", "warm"),
@@ -439,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from monai_cache.synthetic import crop_size_for, make_dataset
 
+    if args.collect_in_workers is not None and (args.collect_in_workers < 1 or args.start_method != "fork"):
+        parser.error("--collect-in-workers takes an epoch from 1, with forked workers (--start-method fork)")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if set(workloads) - {"volumes", "small"} or set(modes) - {"eager", "on-the-fly"} or not workloads or not modes:
@@ -494,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": key, "workload": w, "data_list": data[w]["data_list"], "ranks": s.ranks, "workers": s.workers,
             "persistent": s.persistent, "start_method": s.start_method, "batch_size": data[w]["batch_size"],
             "epochs": 1 if key == "uncached" else data[w]["epochs"], "crop": list(crop), "seed": args.seed,
+            "collect_in_workers": args.collect_in_workers,
         }  # fmt: skip
         record = run_one(spec, os.path.join(out, "runs", f"{w}-{s.short.replace(' ', '-')}-{key}-{rep}"))
         records.append({**spec, "repeat": rep, **record})

@@ -75,6 +75,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from monai_cache.codec import Encoded, decode, encode
 from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
+from monai_cache.runtime import keep_inherited_pages_shared
 
 __all__ = [
     "MAX_SEGMENTS",
@@ -432,7 +433,9 @@ class _BlockCollate:
         if torch_data_utils.worker._worker_info is None:  # not in a worker: nothing to move
             return self.collate_fn(samples)
         global _block_collate_here
-        _block_collate_here = True
+        if not _block_collate_here:  # this worker's first batch
+            _block_collate_here = True
+            keep_inherited_pages_shared()
         ring, why_not = _worker_ring(self.main_pid, self.pool)
         if self.way.skip_encode() and ring is not None:
             return self.collate_fn(samples)  # exactly monai.data.DataLoader's way: no encode to pay
@@ -483,12 +486,15 @@ def send_meta_tensors_as_blocks() -> None:
     shared-memory file of its own: a collated MetaTensor with its ``meta`` and ``applied_operations`` is about fifty.
     In a worker, this registers :func:`_reduce_meta_tensor` with ``ForkingPickler`` (in that process only): a
     MetaTensor is encoded exactly into one block of the worker's ring, as :class:`DataLoader` does for a whole batch,
-    and the main process decodes it as the same MetaTensor. What cannot travel so exactly takes torch's way.
+    and the main process decodes it as the same MetaTensor. What cannot travel so exactly takes torch's way. It also
+    leaves what the worker holds out of its garbage collections
+    (:func:`~monai_cache.runtime.keep_inherited_pages_shared`).
     """
     global _meta_blocks_checked
     _meta_blocks_checked = True
     if torch_data_utils.worker._worker_info is None:
         return
+    keep_inherited_pages_shared()
     from multiprocessing.reduction import ForkingPickler
 
     from monai.data import MetaTensor

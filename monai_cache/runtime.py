@@ -11,6 +11,8 @@ Nothing here knows a cache format. :mod:`monai_cache.shm` and :mod:`monai_cache.
   left-overs of killed writers are recognised and removed.
 * :class:`OFDLock`: byte-range locks that the kernel releases when their holder dies.
 * :func:`write_all` and :func:`read_into`: ``pwrite``/``preadv`` loops.
+* :func:`release_freed_memory` and :func:`keep_inherited_pages_shared`: a process's heap, given back after large
+  items, and kept shared with a forked worker's parent.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import gc
 import hashlib
 import itertools
 import mmap
@@ -42,6 +45,7 @@ __all__ = [
     "SharedCounters",
     "fallocate",
     "freed_large_item",
+    "keep_inherited_pages_shared",
     "node_identity",
     "ofd_lock",
     "ofd_unlock",
@@ -100,6 +104,31 @@ def _malloc_trim() -> Any:
 
 
 _TRIM: Any = None
+
+# A forked DataLoader worker shares its parent's heap page by page until either writes to a page. A full garbage
+# collection writes to every object it examines (its gc header), so the first one in a worker copies every page that
+# holds an object inherited from the parent: about 100 MiB per worker once torch and MONAI are imported, more with
+# a large Python structure in the parent. When it runs depends on the objects the parent left pending at the fork
+# and on what the worker allocates since. Forced at the start of the second epoch (python -m benchmarks warm
+# --workloads volumes --collect-in-workers 2), it cost that epoch 0.4-0.5 s more CPU than the next (about 3x our
+# warm epoch) and grew the process tree by 200 MiB, with MONAI's CacheDataset as with ours. Frozen objects
+# (gc.freeze) are left out of every collection, so a collection in the worker writes to none of them; objects made
+# afterwards are collected as usual. What a worker holds when it starts reading (its dataset, the loader's state,
+# the modules) lives as long as it does; one of them that becomes cyclic garbage later stays until the worker exits.
+
+_frozen_in = -1  # pid of the process that froze its objects
+
+
+def keep_inherited_pages_shared() -> None:
+    """In a DataLoader worker, leave the objects it holds now out of its garbage collections (``gc.freeze``), once.
+
+    Our datasets call it on their first read in a worker of any loader, our DataLoader on its first batch: see the
+    comment above. Cheap after the first call in a process.
+    """
+    global _frozen_in
+    if _frozen_in != _my_pid:
+        _frozen_in = _my_pid
+        gc.freeze()
 
 
 # ------------------------------------------------------------------------------------------------ processes

@@ -234,6 +234,36 @@ def test_held_only_by_counts_every_other_holder():
         assert alone(t)
 
 
+INHERITED = ["an object the main process made before forking the workers"]
+
+
+def collate_noting_collections(samples: list) -> dict:
+    """MONAI's batch, plus whether a collection in this worker would examine an object it inherited (a full one
+    writes to each object it examines, so the pages the worker shares with the main process get copied)."""
+    batch = list_data_collate(samples)
+    batch["inherited_collected"] = torch.tensor(any(o is INHERITED for o in gc.get_objects()))
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("loader_class", "which"),
+    [(DataLoader, "monai"), (DataLoader, "ours"), (monai.data.DataLoader, "ours"), (monai.data.DataLoader, "monai")],
+    ids=["our-loader-monai-dataset", "our-loader-our-dataset", "monai-loader-our-dataset", "monai-only"],
+)
+def test_forked_workers_leave_what_they_inherited_out_of_their_collections(dataset, our_dataset, loader_class, which):
+    """Our loader's workers, and any loader's workers reading our datasets, freeze what they hold when they start
+    (gc.freeze): no collection there examines an object made in the main process. MONAI alone does not; the main
+    process is left as it was."""
+    frozen_here = gc.get_freeze_count()
+    assert any(o is INHERITED for o in gc.get_objects())
+    ds = our_dataset if which == "ours" else dataset
+    kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": collate_noting_collections}
+    batches = epochs(loader_class, ds, **kwargs)[0]
+    noted = [bool(b["inherited_collected"]) for b in batches]
+    assert noted == [loader_class is monai.data.DataLoader and which == "monai"] * len(batches)
+    assert gc.get_freeze_count() == frozen_here
+
+
 def test_spawn_and_persistent_workers_over_epochs(dataset):
     kwargs = {"batch_size": 2, "num_workers": 1, "persistent_workers": True}  # 1: each spawned worker imports MONAI
     theirs = epochs(monai.data.DataLoader, dataset, n=2, **kwargs)
