@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -44,6 +46,37 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     module = sys.modules.get("test_doc_examples")
     if module is not None and module.EARLY is not None:  # started, and their tests never ran (-x, -k, a crash)
         module.EARLY.stop()
+
+
+# torch moves a tensor between processes through a file it creates in /dev/shm and unlinks at once: a process that
+# a test kills in between (tests/reliability/test_kills.py, the Slurm and restart tests, ...) leaves that file
+# behind, 1 to 15 per run of the suite. Each test removes the ones that appeared while it ran and whose creator is
+# dead, and the summary counts them. Leaks in normal operation are the soak's to catch: it runs in a private
+# /dev/shm and fails on anything left there (benchmarks/soak.py, tests/reliability).
+_TORCH_SHM_FILE = re.compile(r"torch_(\d+)_\d+_\d+")
+_torch_files_removed: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _torch_files_of_killed_processes():
+    from monai_cache.runtime import pid_alive
+
+    before = set(os.listdir("/dev/shm"))
+    yield
+    for name in set(os.listdir("/dev/shm")) - before:
+        m = _TORCH_SHM_FILE.fullmatch(name)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+                _torch_files_removed.append(name)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _torch_files_removed:
+        terminalreporter.write_line(
+            f"removed {len(_torch_files_removed)} torch_<pid>_* file(s) that processes killed by the tests left in "
+            "/dev/shm"
+        )
 
 
 @pytest.fixture
