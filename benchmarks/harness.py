@@ -268,6 +268,11 @@ def _pss_bytes(pid: int) -> int:
     return int(m.group(1)) * 1024 if m else 0
 
 
+def tree_pss_bytes(pid: int) -> int:
+    """PSS bytes of ``pid`` and its living descendants (each shared page counted once over them)."""
+    return sum(_pss_bytes(p) for p in process_tree([pid]))
+
+
 def _tmpfs_files(root: str) -> dict[int, int]:
     """``{inode: allocated bytes}`` of the files under ``root``."""
     out: dict[int, int] = {}

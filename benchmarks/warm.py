@@ -210,11 +210,6 @@ class _CollectAtEpoch:
         return self.dataset.__getitems__(indices)
 
 
-def _tree_pss(pid: int) -> int:
-    """PSS bytes of ``pid`` and its living descendants."""
-    return sum(harness._pss_bytes(p) for p in harness.process_tree([pid]))
-
-
 def _main_cpu() -> float:
     """CPU seconds of this process, all its threads (not its workers)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
@@ -281,7 +276,7 @@ def rank_main(spec_path: str) -> None:
         # were reaped when the iterator ended, and count in the rank's children
         cpu, main = harness.tree_cpu_seconds(me) - cpu, _main_cpu() - main
         epochs.append({"wall": wall, "cpu": cpu, "main_cpu": main, "batches": batches, "items": items,
-                       "pss": _tree_pss(me)})  # fmt: skip
+                       "pss": harness.tree_pss_bytes(me)})  # fmt: skip
     dist.barrier()  # nobody leaves (and releases a shared cache) before everyone is done
     with open(os.path.join(os.path.dirname(spec_path), f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "setup_s": setup_s, "epochs": epochs}, f)

@@ -107,16 +107,11 @@ _TRIM: Any = None
 
 # A forked DataLoader worker shares its parent's heap page by page until either writes to a page. A full garbage
 # collection writes to every object it examines (its gc header), so the first one in a worker copies every page that
-# holds an object inherited from the parent: about 100 MiB per worker once torch and MONAI are imported, more with
-# a large Python structure in the parent. When it runs depends on the objects the parent left pending at the fork
-# and on what the worker allocates since. Forced at the start of the second epoch (python -m benchmarks warm
-# --workloads volumes --collect-in-workers 2), it cost that epoch 0.4-0.5 s more CPU than the next (about 3x our
-# warm epoch) and grew the process tree by 200 MiB, with MONAI's CacheDataset as with ours. Frozen objects
-# (gc.freeze) are left out of every collection, so a collection in the worker writes to none of them; objects made
-# afterwards are collected as usual. A spawned worker shares nothing, but each full collection there walks all that
-# its imports made: 130-140 ms, once per worker and epoch with 1 x 2 spawned workers over the tutorial chain, under
-# 1 ms frozen. What a worker holds when it starts reading (its dataset, the loader's state, the modules) lives as
-# long as it does; one of them that becomes cyclic garbage later stays until the worker exits.
+# holds an object inherited from the parent (about 100 MiB per worker with torch and MONAI imported); in a spawned
+# worker, each one walks all that the imports made. Frozen objects (gc.freeze) are left out of every collection;
+# objects made afterwards are collected as usual. What a worker holds when it starts reading (its dataset, the
+# loader's state, the modules) lives as long as it does; one of them that becomes cyclic garbage later stays until
+# the worker exits. Measured in docs/loader.md ("Garbage collection in the workers").
 
 _frozen_in = -1  # pid of the process that froze its objects
 
