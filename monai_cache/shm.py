@@ -12,8 +12,9 @@ A read (:meth:`SharedMemoryStore.get_or_compute`), top to bottom:
    process may have published it meanwhile), else compute the item, encode it, write it (a segment or a
    temporary file renamed into place) and publish it by writing its slot last. Then read it back, so that
    every process gets the same zero-copy view. Within :meth:`SharedMemoryStore.publishing_batch` (a DataLoader
-   batch: ``CacheDataset.__getitems__``), a small entry is kept, its lock held, and the batch's entries are
-   published together when it ends: one reservation, one write, their slots. A process holding staged entries
+   batch: ``CacheDataset.__getitems__``), a small entry is kept (a copy of its bytes: the caller's random
+   transforms may write into the item meanwhile), its lock held, and the batch's entries are published together
+   when it ends: one reservation, one write, their slots. A process holding staged entries
    publishes them before it waits for any entry's lock, so no two processes wait on each other.
 
 Guarantees:
@@ -669,7 +670,9 @@ class SharedMemoryStore:
         if enc.nbytes >= STANDALONE_MIN:
             self._publish(i, enc, codec.item_nbytes(value), miss=True)
             return False
-        staging.entries.append((i, lock, enc, codec.item_nbytes(value)))
+        # The caller's random transforms run on ``value`` before the batch is published, and may write into it:
+        # the staged encoding keeps copies of the buffers it borrowed from the item (less than STANDALONE_MIN).
+        staging.entries.append((i, lock, enc.detach(), codec.item_nbytes(value)))
         staging.nbytes += enc.nbytes
         if staging.nbytes >= _STAGED_BYTES:
             self._publish_staged()
