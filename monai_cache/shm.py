@@ -14,8 +14,8 @@ A read (:meth:`SharedMemoryStore.get_or_compute`), top to bottom:
    every process gets the same zero-copy view. Within :meth:`SharedMemoryStore.publishing_batch` (a DataLoader
    batch: ``CacheDataset.__getitems__``), a small entry is kept (a copy of its bytes: the caller's random
    transforms may write into the item meanwhile), its lock held, and the batch's entries are published together
-   when it ends: one reservation, one write, their slots. A process holding staged entries
-   publishes them before it waits for any entry's lock, so no two processes wait on each other.
+   when it ends: one reservation, one write, their slots. A process holding staged entries publishes them before
+   it waits for any entry's lock, so no two processes wait on each other.
 
 Guarantees:
 

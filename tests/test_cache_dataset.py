@@ -277,11 +277,11 @@ def test_epochs_through_dataloader_workers_equal_monais(shm_dir, volumes, runtim
         RandFlipd(keys=["image", "label"], spatial_axis=0, prob=0.5),
     ])  # fmt: skip
 
-    def three_epochs(cls, loader_class):
-        ds = cls(volumes[:4], tr, runtime_cache=runtime_cache, progress=False)
+    def three_epochs(dataset_class, make_loader):
+        ds = dataset_class(volumes[:4], tr, runtime_cache=runtime_cache, progress=False)
         torch.manual_seed(0)  # the workers' seeds, and so the random transforms' states
-        loader = loader_class(ds, batch_size=2, num_workers=2, persistent_workers=True, collate_fn=list,
-                              multiprocessing_context="fork", timeout=HANG_GUARD_S)  # fmt: skip
+        loader = make_loader(ds, batch_size=2, num_workers=2, persistent_workers=True, collate_fn=list,
+                             multiprocessing_context="fork", timeout=HANG_GUARD_S)  # fmt: skip
         return [[item for batch in loader for item in batch] for _ in range(3)]  # whole volumes: not stacked
 
     theirs = three_epochs(monai.data.CacheDataset, DataLoader)
