@@ -35,6 +35,7 @@ from monai_cache.fingerprint import (
 from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
+from monai_cache.sharing import make_private
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -112,6 +113,29 @@ class _FirstRandom:
     def __init__(self, transforms: tuple, index: int | None) -> None:
         self.transforms = transforms
         self.index = index
+
+
+class _FromDisk:
+    """A missing shared-memory entry's filler with a disk tier: its entry on disk, read, or computed and written
+    there; remembers which (:meth:`private`)."""
+
+    __slots__ = ("_compute", "_disk", "_key", "computed")
+
+    def __init__(self, disk: DiskStore, key: str, compute: Callable[[], Any]) -> None:
+        self._disk, self._key, self._compute = disk, key, compute
+        self.computed = False
+
+    def __call__(self) -> Any:
+        return self._disk.get_or_compute(self._key, self._computed)
+
+    def _computed(self) -> Any:
+        self.computed = True
+        return self._compute()
+
+    def private(self, item: Any) -> Any | None:
+        """``item``, returned by this filler, made safe to hand on as it is: as it is when decoded from the disk
+        entry (nothing else holds it), else as :func:`~monai_cache.sharing.make_private` makes it (None: it cannot)."""
+        return make_private(item) if self.computed else item
 
 
 class CacheDataset(_MonaiCacheDataset):
@@ -497,11 +521,17 @@ class CacheDataset(_MonaiCacheDataset):
         ``indices[k]`` (a subclass whose entries are keyed otherwise overrides this)."""
         return [(slot, indices[slot]) for slot in store.missing()]
 
-    def _computes_private(self, data_index: int) -> bool:
-        """Whether what :meth:`_load_cache_item` computes for ``data_index`` shares no mutable object with the data,
-        so that a miss may return it as it is (rather than decode what was just stored): the data item is dicts,
-        lists and tuples of strings, numbers and paths (a file list's item), which ``as_contiguous`` rebuilds."""
-        return self.as_contiguous is True and _immutable_leaves(self.data[data_index])
+    def _computes_private(self, data_index: int, compute: Callable[[], Any]) -> Callable[[Any], Any] | bool:
+        """Whether what ``compute`` (:meth:`_computer`) returns for ``data_index`` may be returned as it is on a miss
+        (rather than a decode of what was just stored), without MONAI's deep copy before the random transforms.
+
+        It shares nothing with the data when the data item is dicts, lists and tuples of strings, numbers and paths
+        (a file list's item, which ``as_contiguous`` rebuilds); then an item read from the disk tier is this
+        process's alone, and a computed one is checked for what the transforms may keep, and given copies of
+        memory that cannot be vouched for (:func:`~monai_cache.sharing.make_private`)."""
+        if self.as_contiguous is not True or not _immutable_leaves(self.data[data_index]):
+            return False
+        return compute.private if type(compute) is _FromDisk else make_private
 
     def _computer(self, data_index: int) -> Callable[[], Any]:
         """What fills a missing shared-memory entry: the cached transforms, or, with a disk tier, its entry on
@@ -514,7 +544,7 @@ class CacheDataset(_MonaiCacheDataset):
             key = self._disk_keys[data_index] = entry_key(
                 self.hash_func(self.data[data_index]).decode("utf-8"), self._disk_variant()
             )
-        return partial(self._disk.get_or_compute, key, compute)
+        return _FromDisk(self._disk, key, compute)
 
     def _disk_variant(self) -> str:
         """What the disk tier's entries hold beyond the data item: the cached transforms and the options that change
@@ -578,9 +608,9 @@ class CacheDataset(_MonaiCacheDataset):
                 # so no deep copy is needed whatever copy_cache says
                 data = store[cache_index]  # a hit costs one read; what a miss needs is worked out on a miss
                 if data is None:
+                    compute = self._computer(data_index)
                     data = store.get_or_compute(
-                        cache_index, self._computer(data_index), reuse_computed=self._computes_private(data_index),
-                        missing=True,
+                        cache_index, compute, reuse_computed=self._computes_private(data_index, compute), missing=True
                     )
                 private = not self._process_tier.offer(cache_index, data)
         else:

@@ -76,6 +76,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from monai_cache.codec import Encoded, decode, encode
 from monai_cache.errors import BatchFallbackWarning, UnsupportedValueError, warn
 from monai_cache.runtime import keep_inherited_pages_shared
+from monai_cache.sharing import alone_holders, storage_holders
 
 __all__ = [
     "MAX_SEGMENTS",
@@ -568,29 +569,10 @@ def _most_references(objects: list[tuple[Any, int]], skip: Any = None) -> int:
     return most
 
 
-def _storage_holders(t: Any) -> tuple[int, int]:
-    """How many tensors hold ``t``'s memory, and the references to its view base (-1: none), as seen from here."""
-    assert _storage_use_count is not None
-    with torch._C.DisableTorchFunctionSubclass():
-        base = t._base
-        uses = _storage_use_count(t.untyped_storage()._cdata)
-    return uses, -1 if base is None else sys.getrefcount(base)
-
-
-_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
 @functools.lru_cache(maxsize=1)
-def _alone() -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """What :func:`_most_references` and :func:`_storage_holders` give for objects nothing else holds: a fresh list,
-    a fresh tensor, and a MetaTensor whose view base (torch makes one for a subclass) nothing else holds."""
-    from monai.data import MetaTensor
-
-    return (
-        _most_references([([], 0)]),
-        _storage_holders(torch.empty(1)),
-        _storage_holders(torch.empty(1).as_subclass(MetaTensor)),
-    )
+def _refs_alone() -> int:
+    """What :func:`_most_references` gives for objects nothing else holds (a fresh list)."""
+    return _most_references([([], 0)])
 
 
 def _held_only_by(mt: Any, objects: list[tuple[Any, int]]) -> bool:
@@ -601,14 +583,15 @@ def _held_only_by(mt: Any, objects: list[tuple[Any, int]]) -> bool:
     it would arrive as a copy. Those take torch's way. Objects are counted by reference counts, tensors' memory by
     how many tensors hold it; both against a probe that nothing else holds.
     """
-    if _storage_use_count is None:
+    alone = alone_holders()
+    if alone is None:
         return False
-    refs, plain, subclass = _alone()
-    if len(objects) > 1 and _most_references(objects, skip=mt) != refs:  # mt itself: the batch and pickle hold it
+    plain, subclass = alone
+    if len(objects) > 1 and _most_references(objects, skip=mt) != _refs_alone():  # mt: the batch and pickle hold it
         return False
     for obj, _met in objects:
         if isinstance(obj, torch.Tensor):
-            holders = _storage_holders(obj)
+            holders = storage_holders(obj)
             if holders != (plain if holders[1] == -1 else subclass):
                 return False
     return True

@@ -554,7 +554,11 @@ class SharedMemoryStore:
         )
 
     def get_or_compute(
-        self, index: int, compute: Callable[[], Any], reuse_computed: bool = False, missing: bool = False
+        self,
+        index: int,
+        compute: Callable[[], Any],
+        reuse_computed: bool | Callable[[Any], Any] = False,
+        missing: bool = False,
     ) -> Any:
         """Return entry ``index``, computing and publishing it if missing; computed once across processes.
 
@@ -563,8 +567,10 @@ class SharedMemoryStore:
             compute: makes the item when it is missing.
             reuse_computed: on a miss, return the computed object itself once it is published, rather than a
                 decoded view of what was written (the same values: the codec is exact). Saves a read and, for
-                a large entry, the page faults of mapping it; only for callers whose computed objects share no
-                mutable memory with anything else, since the caller may change what it gets.
+                a large entry, the page faults of mapping it; only for computed objects that share no mutable
+                memory with anything else, since the caller may change what it gets: True, or a function that
+                returns the computed object made so (itself, or with parts copied), or None to read it back (such
+                as :func:`monai_cache.sharing.make_private`).
             missing: the caller has just read the entry and found it missing: the first look (taken without
                 the entry's lock) is skipped; the look under the lock is not.
 
@@ -589,7 +595,8 @@ class SharedMemoryStore:
             return compute()
 
     def _get_or_compute(
-        self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool, missing: bool
+        self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool | Callable[[Any], Any],
+        missing: bool,
     ) -> Any:
         if not missing:
             item = self._read(i)
@@ -607,6 +614,11 @@ class SharedMemoryStore:
             release_freed_memory()  # the last large item this process computed, freed since: see runtime
             value = compute()
             computed.append(value)
+            if callable(reuse):
+                private = reuse(value)
+                reuse = private is not None
+                if reuse:
+                    value = computed[0] = private
             if reuse and self._staging.batch:
                 staged = self._stage(i, lock, value)
                 return value

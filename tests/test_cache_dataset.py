@@ -262,6 +262,52 @@ def test_transform_writing_in_place_never_changes_what_a_worker_computed_on_the_
     ds.release()
 
 
+@pytest.mark.parametrize("tiers", ["shm", "shm+disk"])
+@pytest.mark.parametrize("kept", ["array", "tensor"])
+@pytest.mark.parametrize("read", ["batch", "item"])
+def test_memory_a_cached_transform_keeps_is_never_written_by_a_random_transform(
+    shm_dir, tmp_path, volumes, read, kept, tiers
+):
+    """On a miss, the computed item goes on to the random transforms without MONAI's deep copy. A cached transform
+    that returns memory it keeps (a preloaded mask: a numpy array that ``torch.as_tensor`` shares, or a tensor
+    itself) must not have it written by a random transform that writes into its input (MONAI's
+    ``RandCoarseDropoutd``): not the kept mask, not the entries computed after it, not the items read. Read in
+    DataLoader batches (``__getitems__``: entries staged, published when the batch ends) and one by one, with and
+    without the disk tier (whose entries, read back, are the reader's own)."""
+    from monai.transforms import Lambda, RandCoarseDropoutd
+    from monai.utils import TraceKeys
+
+    mask = np.ones((1, 6, 6, 6), np.float32)
+    kept_mask = torch.as_tensor(mask) if kept == "array" else torch.ones(1, 6, 6, 6)
+
+    def transform() -> Compose:
+        tr = Compose([
+            *chain(crop=None).transforms,
+            Lambda(lambda d: {**d, "mask": kept_mask}),
+            RandCoarseDropoutd(keys="mask", holes=4, spatial_size=2, fill_value=0.0, prob=1.0),
+        ])  # fmt: skip
+        return tr.set_random_state(seed=0)
+
+    def two_epochs(ds) -> list:
+        if read == "batch" and hasattr(ds, "__getitems__"):
+            return [ds.__getitems__([0, 1, 2]) for _ in range(2)]
+        return [[ds[i] for i in range(3)] for _ in range(2)]
+
+    theirs = two_epochs(monai.data.CacheDataset(volumes[:3], transform(), runtime_cache=True, progress=False))
+    assert float(kept_mask.sum()) == 216  # MONAI deep-copies what it cached: the mask is left alone
+    cache_dir = str(tmp_path / "disk") if tiers == "shm+disk" else None
+    ds = monai_cache.CacheDataset(volumes[:3], transform(), runtime_cache=True, progress=False, cache_dir=cache_dir)
+    ours = two_epochs(ds)
+    assert float(kept_mask.sum()) == 216 and mask.sum() == 216
+    assert ds.cache_stats()["stored"]["entries"] == 3
+    for i in range(3):
+        assert float(ds._cache[i]["mask"].sum()) == 216  # what the cached transforms made
+    assert float(ours[0][0]["mask"].sum()) < 216  # the random transform did write into what it was given
+    for epoch, (a, b) in enumerate(zip(ours, theirs)):
+        assert_same(a, b, f"epoch{epoch}", skip_keys=(TraceKeys.ID,))  # ID: an object's address
+    ds.release()
+
+
 @pytest.mark.parametrize("loader_class", [DataLoader, monai_cache.DataLoader], ids=["monai-loader", "our-loader"])
 @pytest.mark.parametrize("runtime_cache", [False, True], ids=["eager", "on-the-fly"])
 def test_epochs_through_dataloader_workers_equal_monais(shm_dir, volumes, runtime_cache, loader_class):
