@@ -35,7 +35,7 @@ from monai_cache.fingerprint import (
 from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
-from monai_cache.sharing import make_private
+from monai_cache.sharing import immutable_leaves, make_private
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -46,18 +46,6 @@ except ImportError:  # pragma: no cover
     _has_tqdm = False
 
 __all__ = ["CacheDataset"]
-
-
-_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), os.PathLike)
-
-
-def _immutable_leaves(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is dicts, lists and tuples of strings, numbers and paths only (at most 8 levels deep)."""
-    if isinstance(value, _IMMUTABLE):
-        return True
-    if depth < 8 and isinstance(value, (dict, list, tuple)):
-        return all(_immutable_leaves(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return False
 
 
 # What MONAI's CacheDataset.__init__ sets before it calls set_data: fingerprinted on their own, or not content at all.
@@ -529,7 +517,7 @@ class CacheDataset(_MonaiCacheDataset):
         (a file list's item, which ``as_contiguous`` rebuilds); then an item read from the disk tier is this
         process's alone, and a computed one is checked for what the transforms may keep, and given copies of
         memory that cannot be vouched for (:func:`~monai_cache.sharing.make_private`)."""
-        if self.as_contiguous is not True or not _immutable_leaves(self.data[data_index]):
+        if self.as_contiguous is not True or not immutable_leaves(self.data[data_index]):
             return False
         return compute.private if type(compute) is _FromDisk else make_private
 

@@ -18,13 +18,24 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["make_private", "storage_holders", "alone_holders"]
+__all__ = ["immutable_leaves", "make_private", "storage_holders", "alone_holders"]
 
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
-# leaves that cannot be changed in place (a random transform replaces them, it cannot write into them)
-_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), os.PathLike, enum.Enum)
+# a data list's leaves, which nothing can change in place
+_SCALARS = (str, bytes, int, float, complex, bool, type(None), os.PathLike)
+# a computed item's leaves that a random transform can replace but not write into
+_IMMUTABLE = (*_SCALARS, enum.Enum)
 _MAX_DEPTH = 8
+
+
+def immutable_leaves(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is dicts, lists and tuples of strings, numbers and paths only (at most 8 levels deep)."""
+    if isinstance(value, _SCALARS):
+        return True
+    if depth < _MAX_DEPTH and isinstance(value, (dict, list, tuple)):
+        return all(immutable_leaves(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 def storage_holders(t: torch.Tensor) -> tuple[int, int]:
