@@ -188,6 +188,28 @@ def test_nested_python_values_roundtrip(value):
     assert_same(value, roundtrip(value))
 
 
+# numbers whose text differs between JSON writers (exponents, the shortest digits, the extremes), and strings to escape
+AWKWARD_SCALARS = [1e-05, 1e16, 0.1, -0.0, 5e-324, 1.7976931348623157e308, 2**63 - 1, -(2**63), 2**64 - 1,
+                   "é ✓ 🙂", "\"\\\n\t\x00\x7f"]  # fmt: skip
+
+
+def test_headers_from_the_compiled_json_writer_read_as_the_stdlib_writers(monkeypatch):
+    meta = MetaTensor(torch.ones(1, 4, 4), meta={"filename_or_obj": "ü.png", MetaKeys.SPATIAL_SHAPE: np.array([4, 4])})
+    item = {"x": AWKWARD_SCALARS, "image": meta, "nan": float("nan")}
+    assert codec._orjson is not None  # a dependency: small items' encode relies on it (docs/benchmarks-cache.md)
+    compiled = encode(item).header
+    monkeypatch.setattr(codec, "_orjson", None)
+    stdlib = encode(item).header
+    assert compiled != stdlib  # two writers, each used
+    assert json.loads(compiled) == json.loads(stdlib)
+    assert_same(roundtrip(item), item)
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**40, "lone \ud800 surrogate", {"k": [2**70, "\udfff"]}])
+def test_values_the_compiled_json_writer_refuses_are_written_by_the_stdlibs(value):
+    assert_same(roundtrip({"v": value}), {"v": value})
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8]),
