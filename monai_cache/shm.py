@@ -602,7 +602,9 @@ class SharedMemoryStore:
             item = self._read(i)
             if item is not _MISSING:
                 return item
-        if self._cache_removed():  # removed (and perhaps made anew) under us: our files are not its files
+        # Removed (and perhaps made anew) under us: our files are not its files. Within a batch, the look its start
+        # took stands (one ``fstat`` a batch, not one a miss: a removal can land after either look).
+        if not self._staging.batch and self._cache_removed():
             self._counts["misses"] += 1
             return compute()
         lock = self._lock_entry(i)
@@ -643,6 +645,8 @@ class SharedMemoryStore:
             return
         staging.batch, staging.pid = True, os.getpid()
         try:
+            if not self._released:
+                self._cache_removed()  # the batch's misses compute uncached if so (see _get_or_compute)
             yield
         finally:
             staging.batch = False
