@@ -297,13 +297,6 @@ class OFDLock:
                 os.close(self._fd)
                 self._fd = -1
 
-    def forget(self) -> None:
-        """Close this copy of a lock held by the process this one was forked from, leaving it held there (another
-        descriptor of the same open file description still holds it)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
     def __enter__(self) -> OFDLock:
         self.acquire()
         return self

@@ -10,12 +10,13 @@ A read (:meth:`SharedMemoryStore.get_or_compute`), top to bottom:
    segment); check that the slot's tag matches the blob, and decode it (tensors are views of that memory);
 3. on a miss, take entry ``i``'s lock (an OFD lock: the kernel drops it if the holder dies), read again (another
    process may have published it meanwhile), else compute the item, encode it, write it (a segment or a
-   temporary file renamed into place) and publish it by writing its slot last. Then read it back, so that
-   every process gets the same zero-copy view. Within :meth:`SharedMemoryStore.publishing_batch` (a DataLoader
-   batch: ``CacheDataset.__getitems__``), a small entry is kept (a copy of its bytes: the caller's random
-   transforms may write into the item meanwhile), its lock held, and the batch's entries are published together
-   when it ends: one reservation, one write, their slots. A process holding staged entries publishes them before
-   it waits for any entry's lock, so no two processes wait on each other.
+   temporary file renamed into place) and publish it by writing its slot last, if it is still empty (a
+   compare-and-set under the cache's publish lock). Then read it back, so that every process gets the same
+   zero-copy view. Within :meth:`SharedMemoryStore.publishing_batch` (a DataLoader batch:
+   ``CacheDataset.__getitems__``), a miss takes no entry lock: a small entry is kept (a copy of its bytes: the
+   caller's random transforms may write into the item meanwhile) and the batch's entries are published together
+   when it ends: one reservation, one write, their slots. Another process missing one of them meanwhile computes
+   it too; the first publication stands, the other is counted ``skipped``.
 
 Guarantees:
 
@@ -23,9 +24,11 @@ Guarantees:
   any moment never leaves an entry that a reader accepts; readers also validate the slot (checksum, tag) and
   the blob and treat a bad one as missing (reported once, recomputed).
 * Reads never share writable memory: a transform writing into the tensor it got never changes the shared copy.
-* Each entry is computed once across the machine; a crashed computer never blocks the others (a process killed
-  within a batch loses that batch's staged entries, as it loses the item it was computing: they are computed
-  again).
+* An entry, once published, stays as it is until it is removed: a reader never gets two values for one entry.
+* Each entry is computed once across the machine, except by batches that miss it at the same time (disjoint in a
+  DataLoader's workers and a ``DistributedSampler``'s ranks); a crashed computer never blocks the others (a
+  process killed within a batch loses that batch's staged entries, as it loses the item it was computing: they
+  are computed again).
 * A full budget or tmpfs, or an item the codec cannot store, makes items uncached with one warning per cache;
   a cache removed while in use (``monai-cache clear --all``) makes this process compute items uncached.
 """
@@ -100,7 +103,8 @@ class _Staging(threading.local):
     def __init__(self) -> None:
         self.batch = False  # within a batch
         self.pid = 0  # the process that opened it: a forked copy publishes nothing of it
-        self.entries: list[tuple[int, OFDLock, Any, int]] = []  # (entry, its lock, encoded, item bytes)
+        self.entries: list[tuple[int, Any, int]] = []  # (entry, encoded, item bytes)
+        self.staged: dict[int, Any] = {}  # entry -> its encoding among them
         self.nbytes = 0
 
 
@@ -415,10 +419,15 @@ class SharedMemoryStore:
                 self._dir.write_entry_file(i, enc.chunks(data_crc=with_crc), size)
             # Publish: the data is complete before the slot that points to it is written.
             identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
-            self._dir.write_slot(i, Slot(seg, offset, size, entry_tag(identity, i)))
+            published = self._dir.publish([(i, Slot(seg, offset, size, entry_tag(identity, i)))])[0]
         except OSError as e:
             self._unreserve(size, done)
             self._write_failed(i, size, e)
+            return False
+        if not published:  # a batch elsewhere computed entry i too and published it first: its entry stands
+            if seg == STANDALONE:  # ours is unused (large entries are written under the entry's lock, as here)
+                self._dir.remove_entry_file(i)
+            self._unreserve(size if seg == STANDALONE else 0, done)  # a packed entry's bytes stay in its segment
             return False
         for k, d in done.items():
             self._counts[k] += d
@@ -560,7 +569,8 @@ class SharedMemoryStore:
         reuse_computed: bool | Callable[[Any], Any] = False,
         missing: bool = False,
     ) -> Any:
-        """Return entry ``index``, computing and publishing it if missing; computed once across processes.
+        """Return entry ``index``, computing and publishing it if missing; computed once across processes (but for
+        misses with ``reuse_computed`` within :meth:`publishing_batch`, which take no lock).
 
         Args:
             index: entry index.
@@ -572,7 +582,7 @@ class SharedMemoryStore:
                 returns the computed object made so (itself, or with parts copied), or None to read it back (such
                 as :func:`monai_cache.sharing.make_private`).
             missing: the caller has just read the entry and found it missing: the first look (taken without
-                the entry's lock) is skipped; the look under the lock is not.
+                the entry's lock) is skipped; the look under the lock (if it is taken) is not.
 
         Returns:
             the item: decoded from shared memory when it could be published (or, with ``reuse_computed``, the
@@ -602,13 +612,14 @@ class SharedMemoryStore:
             item = self._read(i)
             if item is not _MISSING:
                 return item
-        # Removed (and perhaps made anew) under us: our files are not its files. Within a batch, the look its start
-        # took stands (one ``fstat`` a batch, not one a miss: a removal can land after either look).
-        if not self._staging.batch and self._cache_removed():
+        staging = self._staging
+        if staging.batch and reuse is not False and self._pack and staging.pid == os.getpid():
+            # Within a batch, the look its start took for a removed cache stands (one ``fstat`` a batch).
+            return self._compute_in_batch(i, compute, computed, reuse)
+        if self._cache_removed():  # removed (and perhaps made anew) under us: our files are not its files
             self._counts["misses"] += 1
             return compute()
         lock = self._lock_entry(i)
-        staged = False
         try:
             item = self._read(i, locked=True)  # someone may have published it while we waited
             if item is not _MISSING:
@@ -621,24 +632,52 @@ class SharedMemoryStore:
                 reuse = private is not None
                 if reuse:
                     value = computed[0] = private
-            if reuse and self._staging.batch:
-                staged = self._stage(i, lock, value)
-                return value
             if not self._write_computed(i, value) or reuse:
                 return value
         finally:
-            if not staged:
-                lock.release()
+            lock.release()
         item = self._read(i, count=False)
         return value if item is _MISSING else item
+
+    def _compute_in_batch(
+        self, i: int, compute: Callable[[], Any], computed: list[Any], reuse: bool | Callable[[Any], Any]
+    ) -> Any:
+        """A miss within :meth:`publishing_batch`: computed without the entry's lock (a lock taken and given back
+        cost about 1 % of a 16 KiB item's first epoch), and staged if small. Another process that misses the entry
+        meanwhile computes it too; the first publication stands, the other is counted skipped."""
+        staging = self._staging
+        again = staging.staged.get(i)
+        if again is not None:  # the batch's second read of an entry it computed: a fresh decode, as a hit would be
+            blob = memoryview(again.to_bytes(data_crc=False))
+            self._counts["hits"] += 1
+            self._counts["bytes_read"] += blob.nbytes
+            self._dir.counters.count_read(blob.nbytes)
+            return _codec().decode(blob, allow_pickle=self._allow_pickle)
+        release_freed_memory()  # the last large item this process computed, freed since: see runtime
+        value = compute()
+        computed.append(value)
+        if callable(reuse):
+            private = reuse(value)
+            if private is None:  # handed out as the entry reads back: published now, then read
+                enc = self._encode_computed(i, value)
+                if enc is not None:
+                    self._publish_at_once(i, enc, _codec().item_nbytes(value))
+                item = self._read(i, count=False)
+                return value if item is _MISSING else item
+            value = computed[0] = private
+        self._stage(i, value)
+        return value
 
     # -- publishing in batches --
     @contextlib.contextmanager
     def publishing_batch(self) -> Iterator[None]:
         """Within this block, this thread's misses of small entries are published together when it ends (a
         DataLoader batch's items: one space reservation, one write and their index slots, rather than one of each
-        per item). Each staged entry's lock is held until then, so no other process computes it meanwhile; one
-        that wants it waits for the batch. Nested blocks publish with the outermost."""
+        per item). Its misses take no entry lock: a process that misses an entry this batch has staged (or is
+        computing) computes it too, and the first to publish it wins (a compare-and-set of its slot; the other is
+        counted ``skipped``), so readers never get two values for one entry. A DataLoader's workers and the ranks
+        of a ``DistributedSampler`` read disjoint batches: what they compute twice is what they read at once.
+        Nested blocks publish with the outermost."""
         staging = self._staging
         if staging.batch:
             yield
@@ -653,13 +692,8 @@ class SharedMemoryStore:
             self._publish_staged()
 
     def _lock_entry(self, i: int) -> OFDLock:
-        """Entry ``i``'s lock, taken. A thread holding staged entries publishes them before it waits: two processes
-        each waiting for an entry the other has staged would wait forever (and so would this thread for its own)."""
+        """Entry ``i``'s lock, taken (staged entries hold none: waiting for one never waits for a batch)."""
         lock = OFDLock(self._dir.locks_path, i)
-        if self._staging.entries:
-            if lock.acquire(blocking=False):
-                return lock
-            self._publish_staged()
         lock.acquire()
         return lock
 
@@ -672,62 +706,61 @@ class SharedMemoryStore:
         finally:
             lock.release()
 
-    def _stage(self, i: int, lock: OFDLock, value: Any) -> bool:
-        """Keep computed entry ``i`` (its lock held) for the batch's publishing; False if it was published (or found
-        uncacheable) at once instead: a large entry, a store that does not pack, or a forked copy of the batch."""
-        staging = self._staging
-        if not self._pack or staging.pid != os.getpid():
-            self._write_computed(i, value)
-            return False
-        codec = _codec()
+    def _stage(self, i: int, value: Any) -> None:
+        """Keep computed entry ``i`` for the batch's publishing; a large one (or one found uncacheable) is
+        published (or not) at once instead."""
         enc = self._encode_computed(i, value)
         if enc is None:
-            return False
+            return
+        raw = _codec().item_nbytes(value)
         if enc.nbytes >= STANDALONE_MIN:
-            self._publish(i, enc, codec.item_nbytes(value), miss=True)
-            return False
+            self._publish_at_once(i, enc, raw)
+            return
         # The caller's random transforms run on ``value`` before the batch is published, and may write into it:
         # the staged encoding keeps copies of the buffers it borrowed from the item (less than STANDALONE_MIN).
-        staging.entries.append((i, lock, enc.detach(), codec.item_nbytes(value)))
+        staging = self._staging
+        staged = enc.detach()
+        staging.entries.append((i, staged, raw))
+        staging.staged[i] = staged
         staging.nbytes += enc.nbytes
         if staging.nbytes >= _STAGED_BYTES:
             self._publish_staged()
-        return True
+
+    def _publish_at_once(self, i: int, enc: Any, raw: int) -> None:
+        """Publish computed entry ``i`` now, under its lock (a large entry's file is renamed into place under it);
+        one that another process published meanwhile stands, and this one is counted skipped."""
+        with self._entry_locked(i):
+            if self._dir.read_slot(i) is None:
+                self._publish(i, enc, raw, miss=True)
+                return
+        self._dir.counters.add({"misses": 1, "skipped": 1})  # the miss: what _publish counts with its reservation
+        self._counts["skipped"] += 1
 
     def _publish_staged(self) -> None:
-        """Publish this thread's staged entries and release their locks."""
+        """Publish this thread's staged entries (a forked copy of another process's batch publishes nothing)."""
         staging = self._staging
-        entries, staging.entries, staging.nbytes = staging.entries, [], 0
-        if not entries:
-            return
-        if staging.pid != os.getpid():  # a forked copy of another process's batch: its locks stay that process's
-            for _, lock, _, _ in entries:
-                lock.forget()
-            return
-        try:
-            if not self._released and not self._removed:
-                self._publish_batch(entries)
-        finally:
-            for _, lock, _, _ in entries:
-                lock.release()
+        entries, staging.entries, staging.staged, staging.nbytes = staging.entries, [], {}, 0
+        if entries and staging.pid == os.getpid() and not self._released and not self._removed:
+            self._publish_batch(entries)
 
-    def _publish_batch(self, entries: list[tuple[int, OFDLock, Any, int]]) -> None:
-        """Write staged entries into this process's segment one after another and publish their slots."""
+    def _publish_batch(self, entries: list[tuple[int, Any, int]]) -> None:
+        """Write staged entries into this process's segment one after another and publish their slots (those
+        another process published first are counted skipped)."""
         codec = _codec()
         n = len(entries)
-        sizes = [enc.nbytes for _, _, enc, _ in entries]
+        sizes = [enc.nbytes for _, enc, _ in entries]
         total = sum(sizes)
-        done = {"writes": n, "bytes_written": total, "bytes_encoded": total, "bytes_raw": sum(e[3] for e in entries)}
+        done = {"writes": n, "bytes_written": total, "bytes_encoded": total, "bytes_raw": sum(e[2] for e in entries)}
         counted = self._reserve_space(total, done, misses=n, entries=n, warn_full=False)
         if not counted:  # not all of them fit: each on its own, as many as fit (the misses are counted)
-            for i, _, enc, raw in entries:
+            for i, enc, raw in entries:
                 self._publish(i, enc, raw, miss=False)
             return
         with_crc = self._verify
         chunks: list[Any] = []
         offsets = []
         pos = 0
-        for (_, _, enc, _), size in zip(entries, sizes):
+        for (_, enc, _), size in zip(entries, sizes):
             if pos % 64:
                 chunks.append(bytes(64 - pos % 64))
                 pos += 64 - pos % 64
@@ -736,13 +769,21 @@ class SharedMemoryStore:
             pos += size
         try:
             seg, base = self._dir.append(iter(chunks), pos)
-            for (i, _, enc, _), offset, size in zip(entries, offsets, sizes):
-                identity = codec.blob_identity(enc.prefix(data_crc=with_crc))
-                self._dir.write_slot(i, Slot(seg, base + offset, size, entry_tag(identity, i)))
+            written = self._dir.publish([
+                (i, Slot(seg, base + offset, size, entry_tag(codec.blob_identity(enc.prefix(data_crc=with_crc)), i)))
+                for (i, enc, _), offset, size in zip(entries, offsets, sizes)
+            ])
         except OSError as e:
             self._unreserve(total, done, entries=n)
             self._write_failed(entries[0][0], total, e)
             return
+        lost = [(size, raw) for (_, _, raw), size, ok in zip(entries, sizes, written) if not ok]
+        if lost:  # published first by another process that computed them too: theirs stand, ours are skipped
+            nbytes = sum(size for size, _ in lost)
+            taken = {"writes": len(lost), "bytes_written": nbytes, "bytes_encoded": nbytes,
+                     "bytes_raw": sum(raw for _, raw in lost)}  # fmt: skip
+            self._unreserve(0, taken, entries=len(lost))  # their bytes stay in the segment, as a removed entry's
+            done = {k: d - taken[k] for k, d in done.items()}
         for k, d in done.items():
             self._counts[k] += d
         if (counted.bit_length() > (counted - n).bit_length()) and counted >= min(4, self._length):

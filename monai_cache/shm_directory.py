@@ -17,7 +17,8 @@ Layout (``root`` is ``/dev/shm`` unless configured; docs/shared-memory.md descri
             disk_tier                  the disk cache directory behind this cache, if any (one line)
             length                     how many entries the cache has room for (one line; monai-cache top)
             stats                      4 KiB of shared counters (runtime.SharedCounters)
-            locks                      byte i is OFD-locked while someone computes entry i
+            locks                      byte i is OFD-locked while someone computes entry i outside a batch;
+                                       byte PUBLISH_LOCK_AT while someone publishes entries
             index                      a 32-byte slot per entry: where it lives, its tag and checksum
             s.<n>                      a segment: small entries (under STANDALONE_MIN) one after another
             <i>.e                      entry i when it is STANDALONE_MIN bytes or larger (any size in a store
@@ -61,6 +62,8 @@ from monai_cache.runtime import (
     COUNTERS,
     SharedCounters,
     fallocate,
+    ofd_lock,
+    ofd_unlock,
     pid_alive,
     read_counters,
     register,
@@ -126,6 +129,7 @@ FLAG_WARNED_BUDGET = 8  # an explicit shm_budget above what the machine offers
 # segment, tag (CRC-32 of the entry's size, checksums and number), byte offset, length, reserved, CRC-32 of the slot
 _SLOT = struct.Struct("<IIQQII")
 SLOT_SIZE = _SLOT.size
+PUBLISH_LOCK_AT = 1 << 48  # the publish lock's byte in the locks file, past every entry's (byte i: entry i)
 _EMPTY_SLOT = bytes(_SLOT.size)
 _ENTRY_SUFFIX = ".e"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)  # tmpfs full, quota, or no memory to back it
@@ -235,6 +239,8 @@ class CacheDirectory:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         self.index_fd = os.open(os.path.join(self.path, "index"), flags, 0o600)
         self._segment_fds: dict[int, int] = {}  # read-only descriptors, one per segment (not per entry)
+        self._publish_fd = -1  # this process's descriptor of the locks file for the publish lock (opened once)
+        self._publish_lock = threading.Lock()  # ... and its threads' turn at it (one OFD: threads share the lock)
         self._append_lock = threading.Lock()
         self._writer: tuple[int, int, int] | None = None  # (pid, segment number, fd) being appended to
         self._writing: dict[int, int] = {}  # writer fd -> threads of this process writing into it now
@@ -257,10 +263,42 @@ class CacheDirectory:
             return CORRUPT
         return Slot(seg, offset, length, tag)
 
-    def write_slot(self, i: int, slot: Slot) -> None:
-        """Publish entry ``i``: its data must be complete before this is called."""
+    def _write_slot(self, i: int, slot: Slot) -> None:
+        """Write entry ``i``'s slot (the caller holds the publish lock: :meth:`publish`)."""
         head = _SLOT.pack(slot.segment, slot.tag, slot.offset, slot.length, 0, 0)[:-4]
         os.pwrite(self.index_fd, head + struct.pack("<I", zlib.crc32(head + i.to_bytes(8, "little"))), SLOT_SIZE * i)
+
+    def publish(self, slots: list[tuple[int, Slot]]) -> list[bool]:
+        """Publish entries whose data is complete: write each one's slot if it is still empty, as one
+        compare-and-set under the cache's publish lock; returns which were written.
+
+        An entry already published stays as it is (two processes may compute an entry at once, as batches do:
+        :meth:`monai_cache.shm.SharedMemoryStore.publishing_batch`), so a reader never gets two values for one
+        entry. Slots go from published to empty only under their entry's lock (:meth:`unpublish`).
+
+        Raises:
+            OSError: the cache was removed (ENOENT).
+        """
+        with self._publish_lock:
+            if self._publish_fd < 0:
+                self._publish_fd = os.open(self.locks_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                           0o600)
+            ofd_lock(self._publish_fd, PUBLISH_LOCK_AT)
+            try:
+                written = []
+                for i, slot in slots:
+                    raw = os.pread(self.index_fd, SLOT_SIZE, SLOT_SIZE * i)
+                    empty = len(raw) < SLOT_SIZE or raw == _EMPTY_SLOT
+                    if empty:
+                        self._write_slot(i, slot)
+                    written.append(empty)
+                return written
+            finally:
+                ofd_unlock(self._publish_fd, PUBLISH_LOCK_AT)
+
+    def remove_entry_file(self, i: int) -> None:
+        """Remove entry ``i``'s file of its own, written but not published (the caller holds the entry's lock)."""
+        unlink_quiet(self.entry_path(i))
 
     def unpublish(self, i: int, slot: Slot | _Corrupt) -> None:
         """Remove entry ``i``, whose slot was ``slot`` (the caller holds its lock): clear the slot, remove its file
@@ -493,11 +531,12 @@ class CacheDirectory:
 
     def close_files(self) -> None:
         """Close this process's descriptors of the cache (its counts stay in the counters)."""
-        for fd in [self.index_fd, *self._segment_fds.values()]:
+        for fd in [self.index_fd, *self._segment_fds.values(), *([self._publish_fd] if self._publish_fd >= 0 else [])]:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self._publish_fd = -1
         if self._writer is not None and self._writer[0] == os.getpid():
             os.close(self._writer[2])
         self.index_fd = -1
@@ -550,6 +589,10 @@ class CacheDirectory:
             os.close(self.lease_fd)
             self.lease_fd = -1
         self._append_lock = threading.Lock()  # a lock held by another thread at fork time stays held
+        self._publish_lock = threading.Lock()
+        if self._publish_fd >= 0:  # the parent's open file description: its lock is not ours to take
+            os.close(self._publish_fd)  # (not the last reference: a lock the parent holds stays held)
+            self._publish_fd = -1
         self._writer = None  # never append to the parent's segment: start our own on the first write
         self._writing, self._retired = {}, set()  # the parent's writes: its threads did not come along
 

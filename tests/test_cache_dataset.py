@@ -168,7 +168,7 @@ class _FailOn(Transform):
 
 def test_a_batch_publishes_its_items_together_once_each_even_when_it_fails(shm_dir):
     """A DataLoader batch (``__getitems__``) publishes the entries it computed when it ends: an index twice in a
-    batch is computed once (its second read waits for the first's publication), and the items computed before one
+    batch is computed once (its second read decodes what the first staged), and the items computed before one
     that raises are published all the same."""
     ds = monai_cache.CacheDataset(
         [{"x": float(i)} for i in range(6)], Compose([_PlusOne(), _FailOn(5.0)]), runtime_cache=True, progress=False

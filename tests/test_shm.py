@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -19,7 +20,7 @@ import torch
 from helpers import python_c
 
 from monai_cache import runtime, shm_directory
-from monai_cache.errors import CacheFullWarning
+from monai_cache.errors import CacheFullWarning, CorruptEntryWarning
 from monai_cache.shm import SharedMemoryStore, cache_root, list_caches, remove_cache
 
 PY = sys.executable
@@ -636,38 +637,124 @@ def test_freed_heap_is_given_back_only_when_memory_is_tight(shm_dir):
     tight.release()
 
 
-def test_batches_of_two_processes_that_each_want_the_others_staged_entry_both_finish(shm_dir):
-    """Within ``publishing_batch`` a computed entry stays unpublished, its lock held, until the batch ends. Two
-    processes, each holding one staged entry and then asking for the other's, must not wait for each other forever:
-    each publishes its own before it waits. Each entry is still computed once, by the process that staged it."""
+def marked(i: int, by: int, nbytes: int = 0) -> dict:
+    """Entry ``i`` as process ``by`` computes it (``nbytes``: an image that large, for an entry of its own). Made by
+    numpy: torch fills a large tensor with its OpenMP threads, which a process forked after using them waits for
+    forever."""
+    return {"image": torch.from_numpy(np.zeros(max(nbytes // 4, 1), np.float32)), "index": i, "by": by}
+
+
+def _run_sides(side, n: int = 2, timeout: float = 60) -> None:
+    """Run ``side(me)`` in ``n`` forked processes; fail if one hangs or fails."""
     ctx = multiprocessing.get_context("fork")
-    staged = [ctx.Event(), ctx.Event()]
-    computed, results = ctx.Queue(), ctx.Queue()
-
-    def side(me: int) -> None:
-        store = SharedMemoryStore("crossed", 2)
-
-        def compute(i: int):
-            computed.put((me, i))
-            return item(i)
-
-        with store.publishing_batch():
-            store.get_or_compute(me, lambda: compute(me), reuse_computed=True)
-            staged[me].set()
-            staged[1 - me].wait(30)
-            got = store.get_or_compute(1 - me, lambda: compute(1 - me), reuse_computed=True)
-        results.put((me, int(got["index"]), store.stats()["process"]["misses"]))
-        store.release()
-
-    procs = [ctx.Process(target=side, args=(me,)) for me in (0, 1)]
+    procs = [ctx.Process(target=side, args=(me,)) for me in range(n)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(timeout)
     hung = [p.pid for p in procs if p.is_alive()]
     for p in procs:
         p.kill()
-    assert not hung, "the two batches waited for each other"
-    assert sorted(computed.get(timeout=5) for _ in range(2)) == [(0, 0), (1, 1)]
-    assert sorted(results.get(timeout=5) for _ in range(2)) == [(0, 1, 1), (1, 0, 1)]
-    assert all(p.exitcode == 0 for p in procs)
+    assert not hung, "a process hung"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_batches_of_two_processes_that_miss_each_others_staged_entry_publish_each_entry_once(shm_dir):
+    """Within ``publishing_batch`` a miss takes no entry lock, and its entry stays unpublished until the batch
+    ends. Two processes, each holding one staged entry and then missing the other's, compute it too rather than
+    wait: the batch that publishes first has computed both and publishes both (a compare-and-set of each slot),
+    the other's are counted skipped, and every read afterwards, in either process, gives the first batch's values."""
+    ctx = multiprocessing.get_context("fork")
+    staged, ended = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]
+    results = ctx.Queue()
+
+    def side(me: int) -> None:
+        store = SharedMemoryStore("crossed", 2)
+        with store.publishing_batch():
+            assert store.get_or_compute(me, lambda: marked(me, me), reuse_computed=True)["by"] == me
+            staged[me].set()
+            assert staged[1 - me].wait(30)
+            second = store.get_or_compute(1 - me, lambda: marked(1 - me, me), reuse_computed=True)["by"]
+        ended[me].set()
+        assert ended[1 - me].wait(30)
+        process = store.stats()["process"]
+        results.put((me, second, process["misses"], process["skipped"], [store[i]["by"] for i in (0, 1)]))
+        store.release()
+
+    _run_sides(side)
+    got = sorted(results.get(timeout=5) for _ in range(2))
+    first = got[0][4][0]  # the batch that published first
+    assert all(read == [first, first] for *_, read in got), got  # one value per entry, the same in both processes
+    for me, second, misses, skipped, _ in got:
+        assert second in (me, first)  # its own computation, or a hit on the first batch's entry
+        assert misses == (2 if second == me else 1) and skipped == (0 if me == first else misses), got
+
+
+def test_an_entry_a_batch_published_first_stands_against_one_computed_under_its_lock(shm_dir):
+    """A process computing entry 0 outside a batch (under its lock) while another's batch computes, stages and
+    publishes it: the batch's entry stands; the locked computation is not published over it (counted skipped)
+    and hands out what it computed, equal to the entry for a deterministic chain."""
+    ctx = multiprocessing.get_context("fork")
+    computing, published = ctx.Event(), ctx.Event()
+    results = ctx.Queue()
+
+    def side(me: int) -> None:
+        store = SharedMemoryStore("cas", 1)
+        if me == 0:  # outside a batch: holds entry 0's lock while it computes, until the batch has published
+
+            def slow() -> dict:
+                computing.set()
+                assert published.wait(30)
+                return marked(0, me)
+
+            got = store.get_or_compute(0, slow, reuse_computed=True)["by"]
+        else:
+            assert computing.wait(30)
+            with store.publishing_batch():
+                got = store.get_or_compute(0, lambda: marked(0, me), reuse_computed=True)["by"]
+            published.set()
+        results.put((me, got, store.stats()["process"]["skipped"], store[0]["by"]))
+        store.release()
+
+    _run_sides(side)
+    assert sorted(results.get(timeout=5) for _ in range(2)) == [(0, 0, 1, 1), (1, 1, 0, 1)]
+
+
+def test_a_large_entry_two_batches_compute_at_once_is_published_once_and_reads_cleanly(shm_dir):
+    """A large entry (a file of its own) computed by two batches at the same moment: each is renamed into place
+    under the entry's lock, so the loser neither replaces the winner's file nor removes it; every read afterwards
+    accepts the entry (no corrupt-entry warning) and gives the winner's values."""
+    ctx = multiprocessing.get_context("fork")
+    both, both_publishing = ctx.Barrier(2), ctx.Barrier(2)
+    results = ctx.Queue()
+    nbytes = 2 * shm_directory.STANDALONE_MIN
+    publish = SharedMemoryStore._publish
+
+    def publish_together(self, *args, **kwargs):  # widen the race: both write at once, if the lock lets them
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_publishing.wait(1)  # the lock lets one through: it waits a second alone
+        return publish(self, *args, **kwargs)
+
+    def side(me: int) -> None:
+        SharedMemoryStore._publish = publish_together  # in this forked process only
+        store = SharedMemoryStore("large", 1)
+
+        def compute() -> dict:
+            both.wait(30)  # both computing: neither has published
+            return marked(0, me, nbytes)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CorruptEntryWarning)  # one fails the process
+            with store.publishing_batch():
+                store.get_or_compute(0, compute, reuse_computed=True)
+            both.wait(30)
+            reads = [store[0]["by"] for _ in range(3)]
+        results.put((me, store.stats()["process"]["skipped"], reads, sorted(os.listdir(store.path))))
+        store.release()
+
+    _run_sides(side)
+    got = sorted(results.get(timeout=5) for _ in range(2))
+    winner = got[0][2][0]
+    assert [r for *_, r, _ in got] == [[winner] * 3] * 2
+    assert sorted(skipped for _, skipped, _, _ in got) == [0, 1]
+    assert [f for f in got[0][3] if f.endswith(".e") or f.endswith(".tmp")] == ["0.e"]
