@@ -66,7 +66,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import harness
@@ -324,6 +324,18 @@ def warm_mean(record: dict[str, Any], key: str) -> float | None:
     return sum(warm) / len(warm) if warm else None
 
 
+def _warm_means(record: dict[str, Any]) -> dict[str, float] | None:
+    """The warm epochs' means of the main process's CPU and of the batches; None for a run of one epoch."""
+    cpu, batches = warm_mean(record, "main_cpu"), warm_mean(record, "batches")
+    return None if cpu is None or batches is None else {"main_cpu": cpu, "batches": batches}
+
+
+def _median_text(values: Iterable[float | None], digits: int = 2) -> str:
+    """The median of the values there are (a run of one epoch has no warm ones), or ``-``."""
+    present = [v for v in values if v is not None]
+    return f"{harness.median(present):.{digits}f}" if present else "-"
+
+
 def _cell(values: Sequence[float], digits: int = 2) -> str:
     """``median (each repeat)`` of ratios."""
     if not values:
@@ -366,12 +378,12 @@ def report_group(rep: harness.Report, title: str, configs: list[str], runs: dict
         first = [harness.ratios([r["epochs"][0][k] for r in rs], [r["epochs"][0][k] for r in ref]) for k in
                  ("wall", "cpu")]
         warm = [harness.ratios([warm_mean(r, k) for r in rs], [warm_mean(b, k) for b in base]) for k in ("wall", "cpu")]
-        per_batch = harness.median(1e3 * warm_mean(r, "main_cpu") / max(1.0, warm_mean(r, "batches")) for r in rs)
+        per_batch = [1e3 * w["main_cpu"] / max(1.0, w["batches"]) for w in map(_warm_means, rs) if w]
         rows.append([
-            c.mode, c.label, f"{harness.median(warm_mean(r, 'wall') for r in rs):.2f}",
-            f"{harness.median(warm_mean(r, 'cpu') for r in rs):.2f}", _cell(warm[0]), _cell(warm[1]),
+            c.mode, c.label, _median_text(warm_mean(r, "wall") for r in rs),
+            _median_text(warm_mean(r, "cpu") for r in rs), _cell(warm[0]), _cell(warm[1]),
             *(("ref", "ref") if key == FIRST_REF[c.mode] else (_cell(first[0]), _cell(first[1]))),
-            f"{per_batch:.1f}",
+            _median_text(per_batch, 1),
         ])  # fmt: skip
     rep.table(rows, left=2, title=(
         f"medians of {repeats} repeat(s), each repeat's ratio in brackets; warm: epochs 2..{epochs}, against MONAI's "

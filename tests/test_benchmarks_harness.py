@@ -201,6 +201,22 @@ def test_warm_prints_every_epoch_and_computes_its_targets_from_them(capsys):
     assert "wall 1.28x, CPU 1.28x" in first[0][1] and "wall 1.10x" in first[1][1]
 
 
+def test_warm_reports_runs_of_one_epoch_with_first_epoch_figures_only(capsys):
+    """``--epochs 1`` (the first epoch alone, e.g. many repeats of it): no warm figures and no warm targets, and the
+    first epoch's ratios and targets as with more epochs."""
+    warm = importlib.import_module("warm")
+    firsts = {"monai": 3.0, "ours+monai": 2.0, "ours+ours": 1.0, "monai-rt": 4.0, "ours-rt+monai": 3.8,
+              "ours-rt+ours": 4.2, "uncached": 3.5}
+    runs = {key: [_run([wall]), _run([wall])] for key, wall in firsts.items()}
+    checks = warm.report_group(harness.Report("warm"), "small, 1x2", list(runs), runs)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "on the fly ours + MONAI DL - - - - 0.95 (0.95, 0.95) 0.95 (0.95, 0.95) -" in printed
+    assert not [t for _ok, t in checks if "warm epoch" in t]
+    first = {re.search(r"of (.+?), on the fly, <= (1x|1.25x)", t).groups(): (ok, t) for ok, t in checks}
+    assert first[("ours + MONAI DL", "1x")][0] and "wall 0.95x" in first[("ours + MONAI DL", "1x")][1]
+    assert not first[("ours + our DL", "1x")][0] and "wall 1.05x" in first[("ours + our DL", "1x")][1]
+
+
 def test_warm_images_are_pngs_read_by_the_mednist_chain(tmp_path):
     warm = importlib.import_module("warm")
     files = warm.make_images(str(tmp_path), 3)
