@@ -324,12 +324,6 @@ def warm_mean(record: dict[str, Any], key: str) -> float | None:
     return sum(warm) / len(warm) if warm else None
 
 
-def _warm_means(record: dict[str, Any]) -> dict[str, float] | None:
-    """The warm epochs' means of the main process's CPU and of the batches; None for a run of one epoch."""
-    cpu, batches = warm_mean(record, "main_cpu"), warm_mean(record, "batches")
-    return None if cpu is None or batches is None else {"main_cpu": cpu, "batches": batches}
-
-
 def _median_text(values: Iterable[float | None], digits: int = 2) -> str:
     """The median of the values there are (a run of one epoch has no warm ones), or ``-``."""
     present = [v for v in values if v is not None]
@@ -378,7 +372,8 @@ def report_group(rep: harness.Report, title: str, configs: list[str], runs: dict
         first = [harness.ratios([r["epochs"][0][k] for r in rs], [r["epochs"][0][k] for r in ref]) for k in
                  ("wall", "cpu")]
         warm = [harness.ratios([warm_mean(r, k) for r in rs], [warm_mean(b, k) for b in base]) for k in ("wall", "cpu")]
-        per_batch = [1e3 * w["main_cpu"] / max(1.0, w["batches"]) for w in map(_warm_means, rs) if w]
+        per_batch = [1e3 * warm_mean(r, "main_cpu") / max(1.0, warm_mean(r, "batches"))  # type: ignore[operator]
+                     for r in rs if len(r["epochs"]) > 1]  # fmt: skip
         rows.append([
             c.mode, c.label, _median_text(warm_mean(r, "wall") for r in rs),
             _median_text(warm_mean(r, "cpu") for r in rs), _cell(warm[0]), _cell(warm[1]),

@@ -287,8 +287,7 @@ class CacheDirectory:
             try:
                 written = []
                 for i, slot in slots:
-                    raw = os.pread(self.index_fd, SLOT_SIZE, SLOT_SIZE * i)
-                    empty = len(raw) < SLOT_SIZE or raw == _EMPTY_SLOT
+                    empty = self.read_slot(i) is None  # a damaged slot is not empty: its reader discards it
                     if empty:
                         self._write_slot(i, slot)
                     written.append(empty)
