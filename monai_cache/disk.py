@@ -327,8 +327,8 @@ class DiskStore:
         """
         self._publish()
         loc = self._packs.lookup(key, refresh=True)
-        if loc is not None and not os.path.exists(os.path.join(self.directory, loc.pack)):
-            self._packs.forget(key, loc)  # its pack was removed
+        while loc is not None and not os.path.exists(os.path.join(self.directory, loc.pack)):
+            self._packs.forget_pack(loc.pack)  # removed: a record written since in another pack, if any
             loc = self._packs.lookup(key, refresh=True)
         if loc is not None:
             tag = key_tag(key)
@@ -407,7 +407,7 @@ class DiskStore:
         try:
             fd = os.open(path, READ_FLAGS)
         except (FileNotFoundError, NotADirectoryError):  # the pack was removed (cache cleared)
-            self._packs.forget(key, loc)
+            self._packs.forget_pack(loc.pack)
             return _GONE
         except OSError as e:
             if e.errno == errno.ELOOP:
@@ -638,7 +638,13 @@ class DiskStore:
         return self._exists(key)
 
     def _exists(self, key: str) -> bool:
-        return self._packs.lookup(key) is not None or os.path.exists(self.path(key))
+        """Whether ``key`` is stored: a packed record whose pack is still there, or an entry file. (A record in a
+        pack removed since it was read is no entry: a write skipped for it would leave the key uncached.)"""
+        loc = self._packs.lookup(key)
+        while loc is not None and not os.path.exists(os.path.join(self.directory, loc.pack)):
+            self._packs.forget_pack(loc.pack)
+            loc = self._packs.lookup(key)
+        return loc is not None or os.path.exists(self.path(key))
 
     def _encode(self, key: str, item: Any) -> codec.Encoded | None:
         """``item`` encoded, or None (reported once, and never tried again) if the codec cannot store it."""

@@ -763,6 +763,11 @@ class PackIndex:
             if alternative is not None and self._get(tag) is None:
                 self._set(tag, alternative)
 
+    def forget_pack(self, pack: str) -> None:
+        """Stop serving every record of ``pack``: its file was found gone (the cache cleared), so they all went."""
+        with self._lock:
+            self._forget_pack(pack)
+
     # -- the table: sorted columns and the recent changes --
     def _get(self, tag: bytes) -> _Loc | None:
         if tag in self._recent:

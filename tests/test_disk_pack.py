@@ -487,6 +487,29 @@ def test_location_of_a_packed_entry_is_complete_enough_to_remove_it(tmp_path):
     check(fresh.get("j"), "j")
 
 
+def test_entries_written_after_a_clear_under_a_running_store_are_stored(tmp_path):
+    """``monai-cache clear --cache-dir`` while a training runs removes the pack its store appends to and the records
+    the store knows of: what it writes afterwards is stored, in a new pack, and a record it wrote into the removed
+    pack does not pass for an entry. (Before: the first entry reserved after the clear went into the removed pack
+    and was dropped by the writer; a key written before the clear was skipped as already stored.)"""
+    (tmp_path / "cache").mkdir()
+    store = DiskStore(tmp_path / "cache")
+    for key in ("a", "b"):
+        store.put(key, item_for(key))
+    assert store.flush(60) and len(packs(tmp_path / "cache")) == 1
+    (tmp_path / "cache" / "model.pt").write_bytes(b"not ours")  # keeps the directory (a cleared one that goes
+    # takes the store's writes with it, as documented)
+    assert disk_format.clear(str(tmp_path / "cache"))["removed"] == 2  # the pack and its index
+    store.put("c", item_for("c"))  # computed after the clear
+    assert store.write("a", item_for("a"))  # written before it: an entry again, not skipped as stored
+    assert store.flush(60)
+    fresh = DiskStore(tmp_path / "cache", writable=False)
+    for key in ("a", "c"):
+        check(fresh.get(key), key)
+    assert fresh.get("b") is MISSING
+    assert store.stats()["process"]["skipped"] == 0
+
+
 def test_a_cache_written_before_the_store_redesign_still_reads(tmp_path):
     """tests/data/disk-cache-v1 was written by monai_cache b9c55cc (before the disk store was split into
     disk_format, disk_writer and disk): a kept cache must read the same items, and verify clean."""

@@ -149,6 +149,10 @@ def test_many_processes_share_one_disk_cache(tmp_path):
         return PersistentDataset(data_list(N_ITEMS), MakeItem(), cache_dir=cache_dir)
 
     def wipe(ds):
+        # Writes still queued at a clear go with it (the files they were reserved in are gone): this process's
+        # are written first, as they would be if it did not also clear, so that what it reads after the wipe is
+        # stored at the end (the check after the run).
+        ds.flush()
         for i in range(N_ITEMS):  # the entry file, or the pack holding the record (and other entries)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ds.entry_path(i))
