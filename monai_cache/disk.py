@@ -326,10 +326,7 @@ class DiskStore:
             key: the entry key.
         """
         self._publish()
-        loc = self._packs.lookup(key, refresh=True)
-        while loc is not None and not os.path.exists(os.path.join(self.directory, loc.pack)):
-            self._packs.forget_pack(loc.pack)  # removed: a record written since in another pack, if any
-            loc = self._packs.lookup(key, refresh=True)
+        loc = self._standing_record(key, refresh=True)
         if loc is not None:
             tag = key_tag(key)
             for entry in stored_entries(self.directory, superseded=True):  # where its index record is
@@ -638,13 +635,19 @@ class DiskStore:
         return self._exists(key)
 
     def _exists(self, key: str) -> bool:
-        """Whether ``key`` is stored: a packed record whose pack is still there, or an entry file. (A record in a
-        pack removed since it was read is no entry: a write skipped for it would leave the key uncached.)"""
-        loc = self._packs.lookup(key)
+        """Whether ``key`` is stored: a packed record whose pack is still there, or an entry file (a write skipped
+        for a record in a removed pack would leave the key uncached)."""
+        return self._standing_record(key) is not None or os.path.exists(self.path(key))
+
+    def _standing_record(self, key: str, refresh: bool = False) -> PackedRecord | None:
+        """The packed record of ``key`` (``refresh``: see :meth:`PackIndex.lookup`) whose pack is still there; the
+        records of a pack found gone (cleared) are all forgotten, and a record of the key written since in another
+        pack, if any, is looked at instead."""
+        loc = self._packs.lookup(key, refresh=refresh)
         while loc is not None and not os.path.exists(os.path.join(self.directory, loc.pack)):
             self._packs.forget_pack(loc.pack)
-            loc = self._packs.lookup(key)
-        return loc is not None or os.path.exists(self.path(key))
+            loc = self._packs.lookup(key, refresh=refresh)
+        return loc
 
     def _encode(self, key: str, item: Any) -> codec.Encoded | None:
         """``item`` encoded, or None (reported once, and never tried again) if the codec cannot store it."""

@@ -149,8 +149,8 @@ class EntryWriter:
     def _still_there(pack: _Pack) -> bool:
         """Whether ``pack`` and its index still have their names (``monai-cache clear`` removes them under a
         running training). Looked at for each reservation: the writer thread finds a removed pack only when it
-        writes, and drops what was reserved in it (so a write reserved after a clear, in the old pack, was lost).
-        Two ``stat`` calls, about 1 us each, against the tens of microseconds of encoding a small entry."""
+        writes, and drops what was reserved in it. Two ``stat`` calls, about 1 us each, against the tens of
+        microseconds of encoding a small entry."""
         if pack.removed:
             return False
         if os.path.exists(pack.name + PACK_SUFFIX) and os.path.exists(pack.name + INDEX_SUFFIX):

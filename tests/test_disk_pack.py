@@ -489,9 +489,9 @@ def test_location_of_a_packed_entry_is_complete_enough_to_remove_it(tmp_path):
 
 def test_entries_written_after_a_clear_under_a_running_store_are_stored(tmp_path):
     """``monai-cache clear --cache-dir`` while a training runs removes the pack its store appends to and the records
-    the store knows of: what it writes afterwards is stored, in a new pack, and a record it wrote into the removed
-    pack does not pass for an entry. (Before: the first entry reserved after the clear went into the removed pack
-    and was dropped by the writer; a key written before the clear was skipped as already stored.)"""
+    the store knows of: what it writes afterwards is stored, in a new pack (not reserved in the removed one, which
+    the writer thread would drop), and a record it wrote into the removed pack does not pass for an entry (a key
+    written before the clear is written again, not skipped as stored)."""
     (tmp_path / "cache").mkdir()
     store = DiskStore(tmp_path / "cache")
     for key in ("a", "b"):
