@@ -570,20 +570,51 @@ class CacheDataset(_MonaiCacheDataset):
         return super().__getitem__(index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A DataLoader batch's items (torch's fetchers call this with the batch's indices): each as
-        ``self[index]`` gives it, with the entries computed on the way published together at the end (see
-        :meth:`SharedMemoryStore.publishing_batch`)."""
+        """A DataLoader batch's items (torch's fetchers call this with the batch's indices), each as ``self[index]``
+        gives it: first every item's cached part (hits read, misses computed and published together when that is
+        done: :meth:`SharedMemoryStore.publishing_batch`), then every item's random transforms, in the batch's
+        order, so that they draw the same random numbers as item by item. Nothing writes into a computed item before
+        it is published, so it is encoded from the item itself, not from a copy; and the batch's loads, encodings and
+        random transforms each run in a row (see ``publishing_batch``). Computed items are held a few MiB at a
+        time (large ones one at a time, as item by item). A subclass that reads items its own way
+        (its own ``__getitem__`` or ``_transform``) gets them item by item, published together all the same."""
         store = self._store
-        with contextlib.nullcontext() if store is None else store.publishing_batch():
+        if store is None:
             return [self[index] for index in indices]
+        cls = type(self)
+        if (
+            cls.__getitem__ is not CacheDataset.__getitem__
+            or cls._transform is not CacheDataset._transform
+            or any(type(index) is not int for index in indices)
+        ):
+            with store.publishing_batch():
+                return [self[index] for index in indices]
+        if not loader._meta_blocks_checked:  # first read in this process: in another loader's worker?
+            loader.send_meta_tensors_as_blocks()
+        items: list[Any] = []
+        while len(items) < len(indices):
+            group = indices[len(items) :]
+            cached = []
+            with store.publishing_batch(untouched=True) as batch:
+                for index in group:
+                    cached.append(self._cached_part(index))
+                    if batch.full:  # large items: each one's random transforms before the next is computed
+                        break
+            items += [self._random_part(index, part) for index, part in zip(group, cached)]
+        return items
 
     def _transform(self, index: int) -> Any:
         if not loader._meta_blocks_checked:  # first read in this process: in another loader's worker?
             loader.send_meta_tensors_as_blocks()
+        return self._random_part(index, self._cached_part(index))
+
+    def _cached_part(self, index: int) -> tuple[Any, bool] | None:
+        """Item ``index`` through the cached transforms, and whether it is this read's alone (a fresh view of the
+        shared copy, or a computed item no one else holds: the random transforms need no copy of it); None for an
+        index the cache does not hold."""
         cache_index = self._cache_index_of(index)
         if cache_index is None:
-            # no cache for this index, execute all the transforms directly
-            return _MonaiDataset._transform(self, index)
+            return None
         if self._cache is None:
             raise RuntimeError("cache buffer is not initialized, please call `set_data()` first.")
         data_index = int(self._cache_data_index[cache_index]) if self.hash_as_key else cache_index
@@ -601,19 +632,26 @@ class CacheDataset(_MonaiCacheDataset):
                         cache_index, compute, reuse_computed=self._computes_private(data_index, compute), missing=True
                     )
                 private = not self._process_tier.offer(cache_index, data)
+            return data, private
+        data = self._cache[cache_index]
+        counters = self._private_counters
+        if data is None:  # runtime cache computation, from the right data item (MONAI bug fix)
+            self._counts["misses"] += 1
+            if counters is not None:
+                counters.add({"misses": 1})
+            data = self._cache[cache_index] = self._load_cache_item(data_index)
         else:
-            data = self._cache[cache_index]
-            private = False
-            counters = self._private_counters
-            if data is None:  # runtime cache computation, from the right data item (MONAI bug fix)
-                self._counts["misses"] += 1
-                if counters is not None:
-                    counters.add({"misses": 1})
-                data = self._cache[cache_index] = self._load_cache_item(data_index)
-            else:
-                self._counts["hits"] += 1
-                if counters is not None:
-                    counters.count_read(0)  # this process's own slot: no lock
+            self._counts["hits"] += 1
+            if counters is not None:
+                counters.count_read(0)  # this process's own slot: no lock
+        return data, False
+
+    def _random_part(self, index: int, cached: tuple[Any, bool] | None) -> Any:
+        """The rest of item ``index``'s transforms, from what :meth:`_cached_part` gave for it."""
+        if cached is None:
+            # no cache for this index, execute all the transforms directly
+            return _MonaiDataset._transform(self, index)
+        data, private = cached
         if not isinstance(self.transform, Compose):  # e.g. reassigned to a plain callable; MONAI's message
             raise ValueError("transform must be an instance of monai.transforms.Compose.")
         transforms = self.transform.transforms
@@ -627,7 +665,7 @@ class CacheDataset(_MonaiCacheDataset):
             if not private and self.copy_cache is True:
                 data = deepcopy(data)
             data = self.transform(data, start=first_random)
-        elif not private and store is not None and self.copy_cache is True:
+        elif not private and self._store is not None and self.copy_cache is True:
             data = deepcopy(data)  # kept in this process: what we hand out is a copy, as every other read
         return data
 

@@ -184,6 +184,74 @@ def test_a_batch_publishes_its_items_together_once_each_even_when_it_fails(shm_d
     assert ds.cache_stats()["total"]["hits"] == 2
 
 
+class _Logged(Transform):
+    """Logs ``(what, item, whether its entry is published)`` when it runs: the order of a batch's transforms."""
+
+    def __init__(self, log: list, what: str, n: int = 0) -> None:
+        self.log, self.what, self.n, self.ds = log, what, n, None
+
+    def __call__(self, d):
+        i = int(d["i"])
+        self.log.append((self.what, i, self.ds is not None and self.ds._store.contains(i)))
+        return {"i": i, "x": torch.full((self.n,), float(i)), "zeroed": torch.ones(1)} if self.n else d
+
+
+class _RandLogged(_Logged, RandomizableTrait):
+    pass
+
+
+@pytest.mark.parametrize("item_mib", [0, 5], ids=["small", "5MiB"])
+def test_a_batch_runs_its_cached_parts_then_its_random_transforms_in_order(shm_dir, item_mib):
+    """``__getitems__``: small items' cached parts all run first (the misses published together, before any random
+    transform: nothing has written into them), then each item's random transforms in the batch's order; items of 4
+    MiB or more go one at a time (each one's random transforms before the next is computed), as one by one. The
+    random numbers drawn are MONAI's read one by one, and a random transform that writes into its input (on the very
+    item computed) changes no entry."""
+    from monai.transforms import RandScaleIntensityd
+
+    n = (item_mib << 18) or 4  # float32 elements
+
+    def transform(log):
+        return Compose([
+            _Logged(log, "cached", n), _RandLogged(log, "random"), RandScaleIntensityd(keys="x", factors=0.5, prob=0.5),
+            RandZeroInPlace(keys="zeroed"),
+        ])  # fmt: skip
+
+    data = [{"i": i} for i in range(3)]
+    theirs = monai.data.CacheDataset(data, transform([]), runtime_cache=True, progress=False)
+    theirs.transform.set_random_state(seed=3)
+    expected = [theirs[i] for i in range(3)]
+    log: list = []
+    ds = monai_cache.CacheDataset(data, transform(log), runtime_cache=True, progress=False)
+    ds.transform.transforms[1].ds = ds
+    ds.transform.set_random_state(seed=3)
+    got = ds.__getitems__([0, 1, 2])
+    if item_mib:
+        assert log == [entry for i in range(3) for entry in (("cached", i, False), ("random", i, True))]
+    else:
+        assert log == [("cached", i, False) for i in range(3)] + [("random", i, True) for i in range(3)]
+    for e, g in zip(expected, got):
+        assert_same(e, g)
+    for i in range(3):
+        assert float(ds._cache[i]["zeroed"].sum()) == 1.0 and float(ds._cache[i]["x"][0]) == i
+    assert float(got[0]["zeroed"].sum()) == 0.0  # the random transform did write into what it was given
+    ds.release()
+
+
+def test_a_subclass_with_its_own_transform_reads_a_batch_through_it(shm_dir):
+    """A subclass overriding ``_transform`` (a MONAI habit) gets a DataLoader batch through it, item by item."""
+
+    class Doubled(monai_cache.CacheDataset):
+        def _transform(self, index):
+            return {"x": super()._transform(index)["x"] * 2}
+
+    ds = Doubled([{"x": float(i)} for i in range(3)], Compose([_PlusOne(), _RandTimes3()]), runtime_cache=True,
+                 progress=False)  # fmt: skip
+    assert [d["x"] for d in ds.__getitems__([0, 2])] == [6.0, 18.0]
+    assert ds.cache_stats()["stored"]["entries"] == 2
+    ds.release()
+
+
 class _ToSet(Transform):
     def __call__(self, d):
         return {"x": {d["x"]}}  # a set: the codec cannot store it
