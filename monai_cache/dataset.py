@@ -576,8 +576,10 @@ class CacheDataset(_MonaiCacheDataset):
         order, so that they draw the same random numbers as item by item. Nothing writes into a computed item before
         it is published, so it is encoded from the item itself, not from a copy; and the batch's loads, encodings and
         random transforms each run in a row (see ``publishing_batch``). Computed items are held a few MiB at a
-        time (large ones one at a time, as item by item). A subclass that reads items its own way
-        (its own ``__getitem__`` or ``_transform``) gets them item by item, published together all the same."""
+        time (large ones one at a time, as item by item). An error in an item's cached transforms reaches the
+        caller before the random transforms of the items before it have run (those items are published all the
+        same); the batch is lost either way. A subclass that reads items its own way (its own ``__getitem__`` or
+        ``_transform``) gets them item by item, published together all the same."""
         store = self._store
         if store is None:
             return [self[index] for index in indices]
