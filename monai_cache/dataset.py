@@ -602,7 +602,9 @@ class CacheDataset(_MonaiCacheDataset):
                     cached.append(self._cached_part(index))
                     if batch.full:  # large items: each one's random transforms before the next is computed
                         break
-            items += [self._random_part(index, part) for index, part in zip(group, cached)]
+            for k, index in enumerate(group[: len(cached)]):
+                part, cached[k] = cached[k], None  # not held past its random transforms (a view maps an entry)
+                items.append(self._random_part(index, part))
         return items
 
     def _transform(self, index: int) -> Any:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
 import warnings
+import weakref
 from collections import Counter
 
 import monai.data
@@ -235,6 +237,42 @@ def test_a_batch_runs_its_cached_parts_then_its_random_transforms_in_order(shm_d
     for i in range(3):
         assert float(ds._cache[i]["zeroed"].sum()) == 1.0 and float(ds._cache[i]["x"][0]) == i
     assert float(got[0]["zeroed"].sum()) == 0.0  # the random transform did write into what it was given
+    ds.release()
+
+
+class _KeepRef(Transform):
+    """A cached transform whose items' tensors are watched (weak references)."""
+
+    def __init__(self, refs: list) -> None:
+        self.refs = refs
+
+    def __call__(self, d):
+        x = torch.full((4,), float(d["i"]))
+        self.refs.append(weakref.ref(x))
+        return {"i": d["i"], "x": x}
+
+
+class _RandReplace(Transform, RandomizableTrait):
+    """A random transform that makes a new tensor, and notes which of the batch's cached tensors are still alive."""
+
+    def __init__(self, refs: list, alive: list) -> None:
+        self.refs, self.alive = refs, alive
+
+    def __call__(self, d):
+        gc.collect()
+        self.alive.append([ref() is not None for ref in self.refs])
+        return {"i": d["i"], "x": d["x"] + 1}
+
+
+def test_a_batch_lets_go_of_each_cached_part_once_its_random_transforms_ran(shm_dir):
+    """In a batch, an item's cached part (here the computed item itself) is not held past its random transforms,
+    as item by item: when item k's random transforms run, the cached parts of the items before it are gone."""
+    refs: list = []
+    alive: list = []
+    ds = monai_cache.CacheDataset([{"i": i} for i in range(3)], Compose([_KeepRef(refs), _RandReplace(refs, alive)]),
+                                  runtime_cache=True, progress=False)  # fmt: skip
+    assert [float(d["x"][0]) for d in ds.__getitems__([0, 1, 2])] == [1.0, 2.0, 3.0]
+    assert alive == [[True, True, True], [False, True, True], [False, False, True]]
     ds.release()
 
 
