@@ -773,6 +773,7 @@ class SharedMemoryStore:
         entries, computed = staging.entries, staging.computed
         staging.entries, staging.computed, staging.staged, staging.nbytes = [], [], set(), 0
         if staging.pid != os.getpid() or self._released or self._removed:
+            self._counts["misses"] += len(computed)  # computed all the same (the others count at their encoding)
             return
         for i, value, raw in computed:  # kept as computed (untouched): encoded now, one after another
             enc = self._encode_computed(i, value)

@@ -659,6 +659,17 @@ def _run_sides(side, n: int = 2, timeout: float = 60) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
+def test_an_untouched_batch_counts_its_misses_when_its_cache_is_gone_before_it_ends(shm_dir):
+    """``publishing_batch(untouched=True)`` encodes its misses when it ends; released meanwhile, it publishes
+    nothing, and its misses are counted all the same."""
+    store = SharedMemoryStore("gone", 2)
+    with store.publishing_batch(untouched=True):
+        for i in range(2):
+            assert store.get_or_compute(i, lambda i=i: marked(i, 0), reuse_computed=True, missing=True)["by"] == 0
+        store.release()
+    assert store.stats()["process"]["misses"] == 2
+
+
 def test_batches_of_two_processes_that_miss_each_others_staged_entry_publish_each_entry_once(shm_dir):
     """Within ``publishing_batch`` a miss takes no entry lock, and its entry stays unpublished until the batch
     ends. Two processes, each holding one staged entry and then missing the other's, compute it too rather than
