@@ -169,7 +169,7 @@ def _run(walls: list[float], cpu: float = 1.0) -> dict:
 def test_warm_prints_every_epoch_and_computes_its_targets_from_them(capsys):
     """The warm suite's tables and targets on made-up runs: a single warm epoch of ours slower than MONAI's
     slowest warm epoch of its repeat misses the target, whatever the medians say. The control (MONAI again) is held
-    to the same rule and printed, not counted among the targets."""
+    to the same rule and printed, not counted among the targets; so is the floor (free read)."""
     warm = importlib.import_module("warm")
     runs = {
         "monai": [_run([3.0, 1.0, 1.2]), _run([3.0, 1.0, 1.1])],
@@ -180,6 +180,7 @@ def test_warm_prints_every_epoch_and_computes_its_targets_from_them(capsys):
         "ours-rt+ours": [_run([3.6, 0.5, 0.5]), _run([3.6, 0.5, 0.5])],
         "uncached": [_run([4.0]), _run([3.0])],
         "monai-again": [_run([3.0, 1.0, 1.0]), _run([3.0, 1.3, 1.0])],  # 1.3 > MONAI's slowest of repeat 2 (1.1)
+        "free-read": [_run([3.0, 0.8, 0.9]), _run([3.0, 0.9, 0.8])],
     }
     rep = harness.Report("warm")
     checks = warm.report_group(rep, "small, 1x2", list(runs), runs)
@@ -189,6 +190,9 @@ def test_warm_prints_every_epoch_and_computes_its_targets_from_them(capsys):
     assert "uncached MONAI Dataset 4.00/4.00 3.00/3.00 " in printed
     assert ("control, small, 1x2: every warm epoch of MONAI again, eager, <= MONAI's slowest warm epoch of the same "
             "repeat: missed; worst wall 1.18 (repeat 2, epoch 2; 1 of 4 above)") in printed
+    assert ("floor, small, 1x2: every warm epoch of free read, eager, <= MONAI's slowest warm epoch of the same "
+            "repeat: holds; worst wall 0.82 (repeat 2, epoch 2; 0 of 4 above)") in printed
+    assert "eager free read 0.85 0.85 0.79 (0.77, 0.81)" in printed  # warm means 0.85 against MONAI's 1.1 and 1.05
     warm_checks = {re.search(r"of (.+?), (eager|on the fly),", t).groups(): ok for ok, t in checks if "warm" in t}
     assert warm_checks == {("ours + MONAI DL", "eager"): False, ("ours + our DL", "eager"): True,
                            ("ours + MONAI DL", "on the fly"): True, ("ours + our DL", "on the fly"): True}
@@ -225,3 +229,46 @@ def test_warm_images_are_pngs_read_by_the_mednist_chain(tmp_path):
     item = warm.mednist_transforms()(files[0])
     assert tuple(item["image"].shape) == (1, 64, 64) and 0.0 <= float(item["image"].min()) < float(item["image"].max())
     assert [f["label"] for f in files] == [0, 1, 2]
+
+
+def test_warm_floor_reads_give_monais_items_and_leave_its_cache_alone(tmp_path):
+    """``--floor``'s FreeReadCacheDataset, the reference for a read that costs nothing, hands the MedNIST chain's
+    random transforms new objects over the cached memory: the same items as MONAI's CacheDataset, epoch after epoch
+    (same random states), and the cached items unchanged (MONAI's ``copy_cache=False`` is no floor: the transforms
+    append to the cached MetaTensors' ``applied_operations``)."""
+    import monai.data
+    import torch
+
+    warm = importlib.import_module("warm")
+    files = warm.make_images(str(tmp_path), 6)
+    chains = [warm.mednist_transforms() for _ in range(3)]
+    for chain in chains:
+        chain.set_random_state(seed=0)
+    monai_ds = monai.data.CacheDataset(files, chains[0], progress=False)
+    floor = warm.FreeReadCacheDataset(files, chains[1], progress=False)
+    no_copy = monai.data.CacheDataset(files, chains[2], progress=False, copy_cache=False)
+    cached = [(item["image"].clone(), item["image"].meta.copy()) for item in floor._cache]
+
+    def plain(value: object) -> object:  # comparable: the transforms' ids (objects of their own) left out
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if k != "id"}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value.tolist() if hasattr(value, "tolist") else value
+
+    def ops(item: dict) -> object:
+        return plain(item["image"].applied_operations)
+
+    for _epoch in range(3):
+        for i in range(len(files)):
+            ours, theirs = floor[i], monai_ds[i]
+            no_copy[i]
+            assert torch.equal(ours["image"].as_tensor(), theirs["image"].as_tensor()), i
+            assert ours["label"] == theirs["label"] and ops(ours) == ops(theirs)
+            assert len(ours["image"].applied_operations) == 3
+            assert ours["image"].meta.keys() == theirs["image"].meta.keys()
+            assert torch.equal(ours["image"].affine, theirs["image"].affine)
+    for item, (image, meta) in zip(floor._cache, cached):
+        assert torch.equal(item["image"].as_tensor(), image) and item["image"].applied_operations == []
+        assert item["image"].meta.keys() == meta.keys()
+    assert any(item["image"].applied_operations for item in no_copy._cache)  # what the floor avoids
