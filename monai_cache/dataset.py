@@ -35,7 +35,7 @@ from monai_cache.fingerprint import (
 from monai_cache.keeper import keep_alive_seconds
 from monai_cache.process_tier import ProcessTier
 from monai_cache.runtime import COUNTERS, SharedCounters, cache_stats, release_freed_memory
-from monai_cache.sharing import immutable_leaves, make_private
+from monai_cache.sharing import immutable_leaves, make_private, with_new_containers
 from monai_cache.shm import SharedMemoryStore
 
 try:  # MONAI shows a progress bar with tqdm when it is installed; so do we
@@ -161,6 +161,9 @@ class CacheDataset(_MonaiCacheDataset):
       is True or False (reads are copy-on-write mappings, so ``copy_cache=True`` needs no deep copy).
       Likewise an item returned without random transforms is a private copy: changing it does not change
       the cache (MONAI hands out the cached object itself).
+    * With ``copy_cache=False`` the items carry only their own read's records in ``applied_operations``, as with
+      ``copy_cache=True`` (MONAI hands the random transforms its cached object, where a random transform that does
+      not run records itself, epoch after epoch).
     * A negative index with a partial cache (``cache_num < len(data)``) returns ``data[index]``'s item (MONAI
       takes the cache entry counted from the end of the *cache*).
     * An item holding a value the codec cannot store (without ``allow_pickle``) is served uncached, with one
@@ -179,7 +182,9 @@ class CacheDataset(_MonaiCacheDataset):
         progress: whether to display a progress bar.
         copy_cache: whether to `deepcopy` the cache content before applying the random transforms.
             With the shared-memory cache every read is already a private copy-on-write view, so no deep copy
-            is made and the cache is protected either way; kept for MONAI's private-cache modes.
+            is made and the cache is protected either way; kept for MONAI's private-cache modes and the items a
+            process keeps (``process_cache``), which with False go to the random transforms in new containers over
+            their tensors (a transform writing into its input changes them, as in MONAI; its records do not).
         as_contiguous: whether to convert the cached NumPy array or PyTorch tensor to be contiguous.
         hash_as_key: whether to compute hash value of input data as the key to save cache,
             if key exists, avoid saving duplicated content.
@@ -666,8 +671,10 @@ class CacheDataset(_MonaiCacheDataset):
             first_random = first_random_index(self.transform)
             self._first_random = _FirstRandom(transforms, first_random) if type(transforms) is tuple else None
         if first_random is not None:
-            if not private and self.copy_cache is True:
-                data = deepcopy(data)
+            if not private:  # kept in this process, or a private cache: MONAI's object itself
+                # copy_cache=False: new containers, so that the records of the random transforms stay with this
+                # read (MONAI bug: they pile up in its cached item), its tensors still the kept ones, as in MONAI
+                data = deepcopy(data) if self.copy_cache is True else with_new_containers(data)
             data = self.transform(data, start=first_random)
         elif not private and self._store is not None and self.copy_cache is True:
             data = deepcopy(data)  # kept in this process: what we hand out is a copy, as every other read

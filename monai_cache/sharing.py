@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["immutable_leaves", "make_private", "storage_holders", "alone_holders"]
+__all__ = ["immutable_leaves", "make_private", "storage_holders", "alone_holders", "with_new_containers"]
 
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -166,3 +166,30 @@ def _check(container: Any, to_copy: list[tuple[Any, Any]], depth: int) -> bool:
         else:
             return False
     return True
+
+
+def with_new_containers(item: Any, depth: int = 0) -> Any:
+    """``item`` in new containers over the same memory: new dicts, lists and tuples, and each tensor of a subclass (a
+    MetaTensor) a new object over the same storage whose attributes' dicts and lists are copies (``meta``,
+    ``applied_operations``; their values shared). Anything else, plain tensors and arrays included, as it is; below
+    8 levels, as it is.
+
+    What ``copy_cache=False`` hands the random transforms of an item a process keeps: a random transform that does
+    not run records itself in its input's ``applied_operations`` (MONAI's ``push_transform`` on the object it was
+    given), which on the kept object itself piles up the records of every epoch (MONAI's bug); one that writes
+    into its input still changes the kept tensor, as in MONAI.
+    """
+    if isinstance(item, torch.Tensor):
+        if type(item) is torch.Tensor:
+            return item
+        with torch._C.DisableTorchFunctionSubclass():
+            alias = torch.Tensor.as_subclass(item, type(item))
+        alias.__dict__.update({k: v.copy() if type(v) in (dict, list) else v for k, v in item.__dict__.items()})
+        return alias
+    if depth >= _MAX_DEPTH:
+        return item
+    if type(item) is dict:
+        return {k: with_new_containers(v, depth + 1) for k, v in item.items()}
+    if type(item) in (list, tuple):
+        return type(item)(with_new_containers(v, depth + 1) for v in item)
+    return item

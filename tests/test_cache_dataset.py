@@ -68,6 +68,42 @@ def test_same_tensors_and_metadata_as_monai(shm_dir, volumes, runtime_cache, cop
     ours.release()
 
 
+def _skippable_chain() -> Compose:
+    """Random transforms that may not run (``prob`` 0.5): one that does not hands on its input object itself."""
+    from monai.transforms import EnsureTyped, RandFlipd, RandRotate90d
+
+    return Compose([
+        EnsureTyped(keys="image", track_meta=True),
+        RandFlipd(keys="image", prob=0.5, spatial_axis=0),
+        RandRotate90d(keys="image", prob=0.5),
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"runtime_cache": True}, {"process_cache": True}, {"shared_memory": False}],
+    ids=["eager", "on-the-fly", "kept-in-process", "private"],
+)
+def test_copy_cache_false_hands_out_no_records_of_earlier_epochs(shm_dir, kw):
+    """MONAI bug fixed (docs/migrating.md): with ``copy_cache=False``, a random transform that does not run on an item
+    records itself in its input's ``applied_operations``, and that input is MONAI's cached MetaTensor, so MONAI's
+    items gather the records of earlier epochs. Ours are over 3 epochs what MONAI gives with ``copy_cache=True``:
+    reads from shared memory are new objects, and an item a process keeps (or a private cache holds) goes to the
+    random transforms in new containers over its memory."""
+    rng = np.random.default_rng(0)
+    data = [{"image": rng.random((1, 6, 6), dtype=np.float32)} for _ in range(6)]
+    transform = _skippable_chain()
+    ref = monai.data.CacheDataset(data, transform, progress=False)
+    ours = monai_cache.CacheDataset(data, transform, progress=False, copy_cache=False, **kw)
+    for epoch in range(3):
+        for expected, got in zip(outputs(ref, epoch), outputs(ours, epoch)):
+            assert_same(expected, got, skip_keys=("id",))  # RandRotate90d records a Rotate90 it makes per call
+            assert len(got["image"].applied_operations) == 2
+    if kw.get("process_cache"):
+        assert ours.cache_stats()["process_cache"]["hits"] > 0  # the kept items served the reads
+    ours.release()
+
+
 @pytest.mark.parametrize(
     "name, kw",
     [
