@@ -75,8 +75,9 @@ from typing import Any
 
 import harness
 import monai.data
-import torch
 from monai.transforms import RandomizableTrait, Transform
+
+from monai_cache.sharing import with_new_containers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,31 +184,16 @@ def mednist_transforms() -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fresh(value: Any) -> Any:
-    """A new object over the same memory: a tensor of the same type sharing ``value``'s storage, with copies of its
-    attributes' dicts and lists (a MetaTensor's ``meta`` and ``applied_operations``); dicts and lists rebuilt the
-    same way; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        with torch._C.DisableTorchFunctionSubclass():
-            alias = torch.Tensor.as_subclass(value, type(value))
-        alias.__dict__.update({k: v.copy() if isinstance(v, (dict, list)) else v for k, v in value.__dict__.items()})
-        return alias
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fresh(v) for v in value]
-    return value
-
-
 class FreeReadCacheDataset(monai.data.CacheDataset):
     """``--floor``: MONAI's eager CacheDataset (``cache_rate=1``) whose read costs nothing but new objects.
 
     MONAI deep-copies a cached item before its random transforms (``copy_cache=True``); with ``copy_cache=False`` it
     hands them the cached objects, which they change (a MetaTensor's ``applied_operations`` grows every epoch). Here
-    a read is :func:`_fresh`: new dicts and new MetaTensors over the cached memory, with copies of their metadata's
-    containers, what a cache whose read cost nothing would hand on. Its items are MONAI's for chains whose random
-    transforms write into no tensor of their input, such as the MedNIST chain (tests/test_benchmarks_harness.py). A
-    benchmark's reference, not a cache to use: a random transform writing into its input would change the cache.
+    a read is ``monai_cache.sharing.with_new_containers``: new dicts and new MetaTensors over the cached memory,
+    with copies of their metadata's containers, what a cache whose read cost nothing would hand on. Its items are
+    MONAI's for chains whose random transforms write into no tensor of their input, such as the MedNIST chain
+    (tests/test_benchmarks_harness.py). A benchmark's reference, not a cache to use: a random transform writing
+    into its input would change the cache.
     """
 
     def _transform(self, index: int) -> Any:
@@ -217,7 +203,7 @@ class FreeReadCacheDataset(monai.data.CacheDataset):
             lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)
         )
         data = self._cache[index]
-        return data if first_random is None else self.transform(_fresh(data), start=first_random)
+        return data if first_random is None else self.transform(with_new_containers(data), start=first_random)
 
 
 def _build(config: Config, files: list[dict], transform: Any) -> Any:
