@@ -732,8 +732,8 @@ class SharedMemoryStore:
         """Keep computed entry ``i`` for the batch's publishing; a large one (or one found uncacheable) is
         published (or not) at once instead."""
         staging = self._staging
+        raw = _codec().item_nbytes(value)
         if staging.untouched:
-            raw = _codec().item_nbytes(value)
             staging.computed_bytes += raw
             if raw < STANDALONE_MIN:  # encoded when the batch is published: nothing writes into it before
                 staging.computed.append((i, value, raw))
@@ -745,7 +745,6 @@ class SharedMemoryStore:
         enc = self._encode_computed(i, value)
         if enc is None:
             return
-        raw = _codec().item_nbytes(value)
         if enc.nbytes >= STANDALONE_MIN:
             self._publish_at_once(i, enc, raw)
             return
