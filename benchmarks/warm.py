@@ -75,8 +75,8 @@ from typing import Any
 
 import harness
 import monai.data
-from monai.transforms import RandomizableTrait, Transform
 
+from monai_cache.fingerprint import first_random_index
 from monai_cache.sharing import with_new_containers
 
 
@@ -199,9 +199,7 @@ class FreeReadCacheDataset(monai.data.CacheDataset):
     def _transform(self, index: int) -> Any:
         if self.hash_as_key or self.runtime_cache or not 0 <= index < self.cache_num:
             raise NotImplementedError("FreeReadCacheDataset reads eager caches of every item, by position")
-        first_random = self.transform.get_index_of_first(
-            lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)
-        )
+        first_random = first_random_index(self.transform)  # MONAI's rule, as our CacheDataset applies it
         data = self._cache[index]
         return data if first_random is None else self.transform(with_new_containers(data), start=first_random)
 
