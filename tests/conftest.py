@@ -32,6 +32,18 @@ if _monai_version() < (1, 5):
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # its warning is filtered in pyproject.toml
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # multiprocessing makes a process its /tmp/pymp-* directory (for the sockets that pass torch's file descriptors
+    # between processes) the first time it needs one, and removes it at the process's exit: a worker or rank that a
+    # test kills leaves its own behind (about 190 a run from tests/reliability/test_kills.py). Made here, it is
+    # the one that every process forked from this one uses, and it goes when the suite ends.
+    import multiprocessing.util
+
+    multiprocessing.util.get_temp_dir()
+    global _shm_at_start
+    _shm_at_start = set(os.listdir("/dev/shm"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the documented examples' processes now if their tests are to run (tests/test_doc_examples.py): they
     then use the core that the tests before them leave idle, instead of a minute of the suite's own."""
@@ -46,6 +58,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     module = sys.modules.get("test_doc_examples")
     if module is not None and module.EARLY is not None:  # started, and their tests never ran (-x, -k, a crash)
         module.EARLY.stop()
+    _remove_orphaned_semaphores()
 
 
 # torch moves a tensor between processes through a file it creates in /dev/shm and unlinks at once: a process that
@@ -71,11 +84,42 @@ def _torch_files_of_killed_processes():
                 _torch_files_removed.append(name)
 
 
+# A named semaphore is a /dev/shm/sem.* file: glibc's sem_open writes it under a temporary name (sem.XXXXXX) and
+# links it to its own name; multiprocessing unlinks its semaphores (sem.mp-*) once made, or once freed where children
+# are spawned. A process killed in between leaves the file. One that appeared during the suite and that no
+# process maps any longer is such a leftover: at the end, those are removed and counted.
+_SEMAPHORE_FILE = re.compile(r"sem\.(?:[A-Za-z0-9]{6}|mp-[a-z0-9_]{8})")
+_shm_at_start: set[str] = set()
+_semaphores_removed: list[str] = []
+
+
+def _remove_orphaned_semaphores() -> None:
+    import glob
+    import time
+
+    candidates = {os.path.join("/dev/shm", name) for name in set(os.listdir("/dev/shm")) - _shm_at_start
+                  if _SEMAPHORE_FILE.fullmatch(name)}
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps") if candidates else ():
+        with contextlib.suppress(OSError), open(maps) as f:
+            mapped.update(path for line in f if (path := line.rstrip("\n").partition("/dev/shm/")[2]))
+    for path in candidates:
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.basename(path) not in mapped and time.time() - os.stat(path).st_mtime > 2:
+                os.unlink(path)
+                _semaphores_removed.append(path)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if _torch_files_removed:
         terminalreporter.write_line(
             f"removed {len(_torch_files_removed)} torch_<pid>_* file(s) that processes killed by the tests left in "
             "/dev/shm"
+        )
+    if _semaphores_removed:
+        terminalreporter.write_line(
+            f"removed {len(_semaphores_removed)} semaphore file(s) (/dev/shm/sem.*) that processes killed by the "
+            "tests left half made"
         )
 
 
