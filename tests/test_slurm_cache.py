@@ -146,10 +146,11 @@ class Ending:
             srun = f"srun -n {self.tasks} {sys.executable}"
         else:
             srun = f"srun -n 1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node={self.tasks}"
+        # TMPDIR, as sites give each job one: the /tmp/pymp-* directory of a task killed here goes with tmp_path
         body = f"""\
             #!/bin/bash
-            export MONAI_CACHE_SHM_DIR={self.cluster.jobs_shm}/$SLURM_JOB_ID
-            mkdir -p $MONAI_CACHE_SHM_DIR
+            export MONAI_CACHE_SHM_DIR={self.cluster.jobs_shm}/$SLURM_JOB_ID TMPDIR={tmp_path}/tmp-$SLURM_JOB_ID
+            mkdir -p $MONAI_CACHE_SHM_DIR $TMPDIR
             {srun} {TRAIN} {self.log} until
         """
         cpus = self.tasks if self.launcher == "srun" else 1
