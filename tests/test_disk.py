@@ -226,6 +226,23 @@ def test_corrupt_file_reported_once_removed_and_rewritable(tmp_path, kind, compr
     assert_same(store.get("k"), item)
 
 
+def test_corrupt_file_a_reader_cannot_remove_is_reported_once(tmp_path):
+    """A store that may not write (``writable=False``) leaves a bad file where it is and finds it bad on every read:
+    it says so once per entry and process, counts each detection, and serves a miss each time."""
+    DiskStore(tmp_path, async_writes=False, pack_limit=0).put("k", item_for("k"))
+    reader = DiskStore(tmp_path, writable=False)
+    path = reader.path("k")
+    _corrupt(path, "flip-payload")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert reader.get("k") is MISSING
+    msgs = monai_cache_warnings(rec)
+    assert len(msgs) == 1 and "corrupt disk cache file" in msgs[0] and "could not be removed" in msgs[0], msgs
+    assert os.path.exists(path)
+    assert reader.stats()["process"]["corrupt"] == 3
+
+
 def test_file_under_another_key_is_rejected(tmp_path):
     store = DiskStore(tmp_path, async_writes=False, pack_limit=0)
     store.put("a", item_for("a"))

@@ -270,6 +270,47 @@ def test_corrupt_record_reported_once_and_recomputed(tmp_path, where):
     assert mc_warnings(rec) == []
 
 
+def _flip_middle(loc) -> None:
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset + loc.length // 2)
+        b = f.read(1)
+        f.seek(loc.offset + loc.length // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _recompute_into_a_bad_record(directory) -> None:
+    """Another process: finds the key's record bad, recomputes it into a record of its own, which goes bad too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store = DiskStore(directory, async_writes=False, compression=None)
+        assert store.get("k") is MISSING
+        store.put("k", item_for("k"))
+        _flip_middle(store.location("k"))
+
+
+def test_a_key_recomputed_into_a_bad_record_again_is_reported_once(tmp_path):
+    """Once per entry and process: a reader that meets a bad record of a key, then the bad record another process
+    recomputed it into (a failing disk), warns once, counts both, and reads neither again."""
+    DiskStore(tmp_path, async_writes=False, compression=None).put("k", item_for("k"))
+    reader = DiskStore(tmp_path, async_writes=False, writable=False)
+    first = reader.location("k")
+    _flip_middle(first)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert reader.get("k") is MISSING
+        other = FORK.Process(target=_recompute_into_a_bad_record, args=(str(tmp_path),))
+        other.start()
+        other.join(60)
+        assert other.exitcode == 0
+        second = DiskStore(tmp_path, writable=False).location("k")  # the newest record, as a new reader finds it
+        assert (second.path, second.offset) != (first.path, first.offset)
+        assert reader.get("k", fresh=True) is MISSING
+        assert reader.get("k", fresh=True) is MISSING
+    msgs = mc_warnings(rec)
+    assert len(msgs) == 1 and "corrupt disk cache record" in msgs[0], msgs
+    assert reader.stats()["process"]["corrupt"] == 2
+
+
 def test_torn_index_tail_is_ignored(tmp_path):
     store = DiskStore(tmp_path, async_writes=False, compression=None)
     for i in range(10):

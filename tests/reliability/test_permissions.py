@@ -129,6 +129,18 @@ def test_keep_warm_files_are_owner_only_too(shm_dir, tmp_path, umask):
     assert _loose(out["modes"]) == [], _loose(out["modes"])
 
 
+def test_a_root_found_open_to_others_is_made_owner_only(shm_dir, tmp_path):
+    """Our root in the tmpfs (``monai_cache-<uid>``) found open to the group and others, as ``mkdir`` under umask 0 or
+    a hand-made directory leaves it, is made 0700 before any cache goes in it."""
+    root = os.path.join(shm_dir, f"monai_cache-{os.getuid()}")
+    os.mkdir(root)
+    os.chmod(root, 0o777)
+    out = in_child(_make_caches, 0o022, shm_dir, str(tmp_path / "cache"), False)
+    assert out["shm_root"] == root
+    assert [root, "0o700"] in out["modes"], out["modes"]  # (JSON: a list)
+    assert _loose(out["modes"]) == [], _loose(out["modes"])
+
+
 # ------------------------------------------------------------------------------- another user: us
 def _crash_leaving_stale(shm_dir: str) -> dict:
     s = SharedMemoryStore("stale", 2, shm_dir=shm_dir)
