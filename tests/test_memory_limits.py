@@ -161,6 +161,55 @@ def test_reading_a_real_cgroup(tmp_path):
     assert named == "1"  # the machine's limits name the cgroup's
 
 
+PAGE_CACHE_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    import torch
+    from monai_cache import CacheFullWarning
+    from monai_cache.memory_limits import cgroup_memory
+    from monai_cache.shm import SharedMemoryStore
+
+    with open({data!r}, "rb") as f:  # the job reads its data: the page cache is charged to its cgroup
+        while f.read(1 << 22):
+            pass
+    page_cache = cgroup_memory().inactive_file
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = SharedMemoryStore("page-cache", {items}, shm_dir={shm_dir!r}, reserve=0)
+        for i in range({items}):
+            store[i] = {{"image": torch.full(({numel},), float(i))}}
+        stored = store.stats()["stored"]["entries"]
+        right = sum(store[i] is not None and bool((store[i]["image"] == i).all()) for i in range({items}))
+        store.release()
+    full = [str(w.message) for w in caught if issubclass(w.category, CacheFullWarning)]
+    print(json.dumps({{"page_cache": page_cache, "stored": stored, "right": right, "full": full}}))
+    """
+)
+
+
+def test_page_cache_the_job_read_leaves_room_for_the_cache(shm_dir, tmp_path):
+    """In a container that read its data set, the kernel charges those files' page cache to the container's cgroup,
+    and takes it back before it kills anything: it is room for the cache. A job that read 300 MB of files under a
+    600 MB limit caches 8 entries of 16 MiB (134 MB) in full, with no warning. (Counted as used, the page cache
+    leaves no room: with memory.stat's field misread, no entry was stored and the cache said it was full.)"""
+    data = tmp_path / "volumes.bin"
+    with open(data, "wb") as f:
+        for _ in range(300):
+            f.write(os.urandom(MB))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # dropped: read below, inside the cgroup
+    code = PAGE_CACHE_CHILD.format(data=str(data), items=8, numel=16 * MIB // 4, shm_dir=shm_dir)
+    with memory_cgroup(600 * MB) as (directory, version):
+        result = run_in_cgroup(directory, code, {**os.environ, "PYTHONPATH": REPO}, timeout=120)
+        kills = oom_kills(directory, version)
+        subprocess.run(["rm", "-rf", shm_dir + "/"], check=False)  # uncharge the tmpfs pages before the rmdir
+    assert result.returncode == 0 and kills == 0, (result.returncode, kills, result.stderr[-3000:])
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["page_cache"] > 250 * MB, out  # the files read are charged, as reclaimable page cache
+    assert out["stored"] == 8 and out["right"] == 8 and out["full"] == [], out
+
+
 CGROUP_LIMIT = "the memory cgroup limit"
 
 
