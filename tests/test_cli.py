@@ -189,6 +189,35 @@ def test_disk_commands_on_missing_dir_exit_2(tmp_path):
     assert "not a directory" in cl("clear", "--cache-dir", str(tmp_path / "nope"), check=2).stderr
 
 
+def test_clear_cache_dir_leaves_a_live_shared_memory_copy_in_front_of_it_unless_all(shm_dir, tmp_path, capsys):
+    """``clear --cache-dir DIR`` also removes the shared-memory copies in front of DIR (``shm_cache=True``); one that a
+    training reads stays, unless ``--all``."""
+    import numpy as np
+    from monai.transforms import Compose, ToTensord
+
+    from monai_cache import PersistentDataset
+    from monai_cache.shm import list_caches
+
+    cache_dir = str(tmp_path / "cache")
+    data = [{"x": np.full((8, 8, 4), i, np.float32), "y": i} for i in range(4)]
+    live = PersistentDataset(data, Compose([ToTensord(keys=["x"])]), cache_dir=cache_dir, shm_cache=True,
+                             shm_dir=shm_dir)  # fmt: skip
+    for i in range(len(live)):
+        live[i]
+    assert live.flush(60)
+    (tmp_path / "cache" / "model.pt").write_bytes(b"not ours")  # keeps the directory after the first clear
+    [tier] = [c["key"] for c in list_caches(shm_dir)]
+    clear = ["clear", "--cache-dir", cache_dir, "--shm-dir", shm_dir, "--json"]
+    assert cli.main(clear) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] >= 1 and out["shared_memory_tiers_removed"] == []  # the disk files went, the live copy not
+    assert [c["key"] for c in list_caches(shm_dir)] == [tier]
+    assert cli.main([*clear, "--all"]) == 0
+    assert json.loads(capsys.readouterr().out)["shared_memory_tiers_removed"] == [tier]
+    assert list_caches(shm_dir) == []
+    del live
+
+
 def test_clear_removes_an_emptied_cache_dir(tmp_path, capsys):
     from monai_cache.disk_format import DISK_MAGIC
 
