@@ -67,7 +67,7 @@ USER = textwrap.dedent(
     """
     import sys, time, torch
     from monai_cache.shm import SharedMemoryStore
-    s = SharedMemoryStore(sys.argv[1], 2)
+    s = SharedMemoryStore(sys.argv[1], 2, keep_warm=sys.argv[2:] == ["keep"])
     s[0] = {"x": torch.ones(1000)}
     print(s.path, flush=True)
     time.sleep(120)
@@ -75,13 +75,16 @@ USER = textwrap.dedent(
 )
 
 
-def _users(shm_dir: str, jobs: dict[str, str | None]) -> dict[str, tuple[subprocess.Popen, str]]:
+def _users(
+    shm_dir: str, jobs: dict[str, str | None], keep_warm: bool = False
+) -> dict[str, tuple[subprocess.Popen, str]]:
     """Start a user per cache key (with ``SLURM_JOB_ID`` as given) at once; each once its cache exists."""
     procs = {}
     for key, job in jobs.items():
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         env.update({"MONAI_CACHE_SHM_DIR": shm_dir, **({"SLURM_JOB_ID": job} if job else {})})
-        procs[key] = subprocess.Popen([PY, "-c", USER, key], stdout=subprocess.PIPE, text=True, env=env)
+        argv = [PY, "-c", USER, key, *(["keep"] if keep_warm else [])]
+        procs[key] = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     return {key: (p, p.stdout.readline().strip()) for key, p in procs.items()}  # type: ignore[union-attr]
 
 
@@ -145,6 +148,31 @@ def test_epilog_removes_exactly_the_ended_jobs_caches(shm_dir):
         live.wait()
 
 
+def test_a_kept_cache_outlives_its_killed_user_its_watcher_and_the_epilog(shm_dir):
+    """A cache that a second user joined with ``keep_warm``: both users killed, the watcher its first user started
+    leaves the cache and exits; the job's epilog leaves it too."""
+    from monai_cache.shm import remove_cache
+
+    first, path = _users(shm_dir, {"kept": "61"})["kept"]
+    watcher = watcher_pid(path)
+    second, _ = _users(shm_dir, {"kept": "61"}, keep_warm=True)["kept"]
+    for proc in (first, second):
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10  # the watcher's next look finds the cache kept: nothing to watch
+    while os.path.exists(f"/proc/{watcher}/fd") and time.monotonic() < deadline:  # (a zombie has no fds)
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{watcher}/fd") and os.path.isdir(path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(
+        [PY, "-m", "monai_cache", "epilog", "--job", "61", "--shm-dir", shm_dir],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and "kept" not in r.stdout, (r.stdout, r.stderr)
+    assert os.path.isdir(path)
+    assert remove_cache("kept", shm_dir, force=True)
+
+
 def test_a_server_training_in_process_gives_the_cache_back_when_idle():
     """MONAI Label's run_sync=true: the server trains in its own process twice; each training leaves its dataset in a
     reference cycle (ignite's engines do). Idle, the server collects once and the cache goes between the trainings;
@@ -195,6 +223,9 @@ def test_keep_alive_outlives_a_job_killed_outright_then_goes(shm_dir):
     )  # fmt: skip
     assert r.returncode == 0 and "requeued kept for its keep_alive window" in r.stdout, (r.stdout, r.stderr)
     watcher = watcher_pid(path)  # started by the epilog
+    other = SharedMemoryStore("another-job", 1, shm_dir=shm_dir)  # joining a cache reclaims the stale ones...
+    other.release()
+    assert os.path.isdir(path)  # ... not one within its window
     again = SharedMemoryStore("requeued", 2, shm_dir=shm_dir)  # the requeued job, within the window: warm
     assert again[0] is not None and float(again[0]["x"].sum()) == 1000.0
     again.release()  # its last user leaves: the window runs again from now, then the cache goes
