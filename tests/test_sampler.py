@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -527,12 +528,14 @@ def test_dataset_length_change_is_an_error():
         iter(s)
 
 
-def test_tiny_dataset_fewer_items_than_ranks():
-    reads = epoch_reads(samplers(3, 5, "rank", 1), 0)
+@pytest.mark.parametrize("canonical", [None, 5], ids=["default", "canonical"])
+def test_tiny_dataset_fewer_items_than_ranks(canonical):
+    make = functools.partial(samplers, 3, 5, "rank", 1, canonical_shards=canonical, shuffle=canonical is None)
+    reads = epoch_reads(make(), 0)
     assert [len(r) for r in reads] == [1] * 5
     assert reads[:3] == [[0], [1], [2]]
     # the two ranks without a shard borrow items, and which ones rotates
-    borrowed = {tuple(map(tuple, epoch_reads(samplers(3, 5, "rank", 1), e)[3:])) for e in range(3)}
+    borrowed = {tuple(map(tuple, epoch_reads(make(), e)[3:])) for e in range(3)}
     assert len(borrowed) == 3
 
 
