@@ -374,6 +374,38 @@ def test_changed_transform_never_serves_old_entries(nifti, tmp_path):
     assert isinstance(t[0]["image"], MetaTensor) and t.cache_stats()["process"]["hits"] == 0
 
 
+@pytest.mark.parametrize("setting", ["lossy_dtypes", "reset_ops_id", "allow_pickle", "set_track_meta", "monai"])
+def test_every_setting_that_changes_an_entry_names_other_files(nifti, tmp_path, monkeypatch, setting):
+    """An entry is never served to a dataset whose settings would store another one: the lossy dtypes,
+    ``reset_ops_id``, ``allow_pickle``, MONAI's global ``set_track_meta`` and the MONAI version that computed it
+    (its transforms are fingerprinted by name) are part of the file names. The second dataset computes its item
+    and gives what it gives on a directory of its own."""
+    import monai
+    from monai.data import get_track_meta, set_track_meta
+
+    def chain_without_meta_needs() -> Compose:  # runs with MONAI's set_track_meta(False) too
+        return Compose([LoadImaged(keys=KEYS), EnsureChannelFirstd(keys=KEYS, channel_dim="no_channel"),
+                        ScaleIntensityRanged(keys="image", a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True)])
+
+    PersistentDataset(nifti[:1], chain_without_meta_needs(), tmp_path / "cache", async_writes=False)[0]
+    kwargs: dict = {"lossy_dtypes": {"image": "float16"}, "reset_ops_id": False, "allow_pickle": True}
+    kwargs = {setting: kwargs[setting]} if setting in kwargs else {}
+    if setting == "monai":
+        monkeypatch.setattr(monai, "__version__", monai.__version__ + ".post99")
+    track_meta = get_track_meta()
+    set_track_meta(setting != "set_track_meta")
+    try:
+        other = PersistentDataset(nifti[:1], chain_without_meta_needs(), tmp_path / "cache", async_writes=False,
+                                  **kwargs)
+        got = other[0]
+        alone = PersistentDataset(nifti[:1], chain_without_meta_needs(), tmp_path / "alone", async_writes=False,
+                                  **kwargs)
+        same(got, alone[0])
+    finally:
+        set_track_meta(track_meta)
+    assert other.cache_stats()["process"]["hits"] == 0 and len(files(tmp_path / "cache")) == 2
+
+
 def test_a_changed_lambda_or_captured_value_never_serves_old_entries(nifti, tmp_path):
     """User code is fingerprinted by value: a lambda over another constant or closure value is another chain."""
     from monai.transforms import Lambdad
