@@ -358,6 +358,73 @@ def test_chain_changed_after_reads_is_followed_as_monai_does(shm_dir, index):
     assert got[monai_cache.CacheDataset] == got[monai.data.CacheDataset] == (9, 9, 27, 9, 9, 9)
 
 
+def _number_to_array(x):
+    return np.full((4,), x, np.float32)
+
+
+def _numbers_chain(top: float = 4.0) -> Compose:
+    from monai.transforms import EnsureTyped, Lambdad, ScaleIntensityRanged
+
+    return Compose([Lambdad("x", _number_to_array), EnsureTyped("x"),
+                    ScaleIntensityRanged("x", a_min=0.0, a_max=top, b_min=0.0, b_max=1.0)])  # fmt: skip
+
+
+# a setting: (the first dataset's, the second's, MONAI's for the second, the tiers whose entries it changes)
+ENTRY_SETTINGS = {
+    "cache_rate": ({}, {"cache_rate": 0.5}, {"cache_rate": 0.5}, ("shared memory",)),
+    # as many entries (4), numbered otherwise: items 0 0 1 1 against the distinct items 0 1 2 3
+    "hash_as_key": ({"cache_rate": 0.5}, {"hash_as_key": True}, {"hash_as_key": True}, ("shared memory",)),
+    "as_contiguous": ({}, {"as_contiguous": False}, {"as_contiguous": False}, ("shared memory", "disk")),
+    "allow_pickle": ({}, {"allow_pickle": True}, {}, ("shared memory", "disk")),
+    "set_track_meta": ({}, {}, {}, ("shared memory", "disk")),
+    "monai": ({}, {}, {}, ("shared memory", "disk")),
+    "transforms": ({}, {}, {}, ("disk",)),  # the shared-memory name's part: tests/test_fingerprint.py
+}
+
+
+@pytest.mark.parametrize(
+    "setting, tier", [(setting, tier) for setting, (*_, tiers) in ENTRY_SETTINGS.items() for tier in tiers]
+)
+def test_a_dataset_whose_entries_could_differ_gets_a_cache_of_its_own(shm_dir, tmp_path, monkeypatch, setting, tier):
+    """Over the same data and transforms, a dataset whose settings would give other entries (which items it caches
+    and how it numbers them, what it stores, its transforms, the MONAI that computes them) never reads another's:
+    it gets a shared-memory cache of its own while the other lives, and entries of its own in a disk tier both
+    use, and MONAI's items."""
+    from monai.data import get_track_meta, set_track_meta
+
+    from monai_cache.disk_format import stored_entries
+    from monai_cache.shm import list_caches
+
+    firsts, ours, monais, _ = ENTRY_SETTINGS[setting]
+    data = [{"x": i // 2} for i in range(8)]  # 0 0 1 1 2 2 3 3
+    disk = {"cache_dir": str(tmp_path / "disk")} if tier == "disk" else {}
+    first = monai_cache.CacheDataset(data, _numbers_chain(), progress=False, **firsts, **disk)
+    for i in range(len(data)):
+        first[i]
+    if tier == "disk":
+        assert first.flush(60)
+        first.release()  # the next dataset's shared-memory cache fills from the disk tier
+    if setting == "monai":
+        monkeypatch.setattr(monai, "__version__", monai.__version__ + ".post99")
+    top = 8.0 if setting == "transforms" else 4.0
+    track_meta = get_track_meta()
+    set_track_meta(setting != "set_track_meta")
+    try:
+        second = monai_cache.CacheDataset(data, _numbers_chain(top), progress=False, **ours, **disk)
+        reference = monai.data.CacheDataset(data, _numbers_chain(top), progress=False, **monais)
+        for i in range(len(data)):
+            assert_same(second[i], reference[i], skip_keys=("id",))  # the id: a transform object's address
+    finally:
+        set_track_meta(track_meta)
+    if tier == "disk":
+        assert second.flush(60)
+        assert len(list(stored_entries(str(tmp_path / "disk")))) == 2 * 4  # 4 distinct items, twice
+    else:
+        assert len(list_caches(shm_dir)) == 2
+    second.release()
+    first.release()
+
+
 def test_hash_as_key_with_runtime_cache_returns_the_right_item(shm_dir):
     """MONAI bug: the lazy path loads data[cache_position] instead of the item for that hash."""
     data = [{"x": 0}, {"x": 1}, {"x": 1}, {"x": 2}]
