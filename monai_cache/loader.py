@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import io
 import logging
 import mmap
 import os
@@ -154,16 +155,25 @@ class _Segment:
         os.close(self.fd)
 
 
-def _open_proc_fd(pid: int, fd: int, ino: int) -> int:
-    """Open process ``pid``'s descriptor ``fd`` through /proc, checking that it is still the file ``ino``."""
-    mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    try:  # BaseException: torch's SIGCHLD handler may raise here, in the main process, when a worker dies
-        if os.fstat(mine).st_ino != ino:
-            raise FileNotFoundError(f"descriptor {fd} of process {pid} is no longer the segment it was")
-    except BaseException:
-        os.close(mine)
-        raise
+def _open_proc_file(pid: int, fd: int, ino: int) -> io.FileIO:
+    """Open process ``pid``'s descriptor ``fd`` through /proc, checking that it is still the file ``ino``.
+
+    A file object, not a bare descriptor: in the main process torch's SIGCHLD handler raises when a worker dies,
+    between any two calls, also the instant a call that made a descriptor returns, before the descriptor is kept
+    anywhere. An object that owns its descriptor is closed when that exception drops it; a bare one would stay
+    open for good.
+    """
+    mine = io.FileIO(f"/proc/{pid}/fd/{fd}", "r+")  # close-on-exec, as every file Python opens
+    if os.fstat(mine.fileno()).st_ino != ino:
+        mine.close()
+        raise FileNotFoundError(f"descriptor {fd} of process {pid} is no longer the segment it was")
     return mine
+
+
+def _open_proc_fd(pid: int, fd: int, ino: int) -> int:
+    """:func:`_open_proc_file`'s descriptor, for a worker to own (no SIGCHLD handler of torch's runs there)."""
+    with _open_proc_file(pid, fd, ino) as f:
+        return os.dup(f.fileno())
 
 
 def _same_file(fd: int, ino: int) -> bool:
@@ -181,7 +191,7 @@ def _check_proc_access(main_pid: int, control_fd: int, control_ino: int) -> str 
     its workers, which run with the same credentials).
     """
     try:
-        os.close(_open_proc_fd(os.getpid(), control_fd, control_ino))
+        _open_proc_file(os.getpid(), control_fd, control_ino).close()
         links = os.listdir(f"/proc/{main_pid}/fd")
         if links:
             os.readlink(f"/proc/{main_pid}/fd/{links[0]}")
@@ -605,23 +615,27 @@ _lock = threading.RLock()  # guards the three tables below
 
 
 class _Held:
-    """The main process's hold on a worker's segment: a descriptor and one mapping of it."""
+    """The main process's hold on a worker's segment: the segment's file (whose descriptor the loader's next
+    workers may adopt) and one mapping of it."""
 
-    __slots__ = ("fd", "map")
+    __slots__ = ("file", "map")
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.map = _map(fd, os.fstat(fd).st_size)
+    def __init__(self, file: io.FileIO) -> None:
+        self.file = file
+        self.map = _map(file.fileno(), os.fstat(file.fileno()).st_size)
+
+    @property
+    def fd(self) -> int:
+        return self.file.fileno()
 
     @classmethod
     def open(cls, pid: int, fd: int, ino: int) -> _Held:
-        """Hold worker ``pid``'s segment; the descriptor is closed again if anything (a signal too) interrupts."""
-        mine = _open_proc_fd(pid, fd, ino)
-        try:
-            return cls(mine)
-        except BaseException:
-            os.close(mine)
-            raise
+        """Hold worker ``pid``'s segment (closed with this object, whatever interrupts: :func:`_open_proc_file`)."""
+        return cls(_open_proc_file(pid, fd, ino))
+
+    def remap(self) -> None:
+        """Map the segment again, as large as it is now (its worker grew it)."""
+        self.map = _map(self.fd, os.fstat(self.fd).st_size)
 
 
 _held: dict[int, _Held] = {}  # inode -> hold, for every segment this process has mapped and not given up
@@ -631,7 +645,7 @@ def _drop(ino: int) -> None:
     """Give up a segment: its memory goes once no batch maps it any more."""
     held = _held.pop(ino, None)
     if held is not None:
-        os.close(held.fd)
+        held.file.close()
 
 
 class _Attachment:
@@ -639,11 +653,8 @@ class _Attachment:
 
     def __init__(self, pid: int, control_fd: int, control_ino: int) -> None:
         self.pid = pid
-        fd = _open_proc_fd(pid, control_fd, control_ino)
-        try:
-            self.control = mmap.mmap(fd, _CONTROL_SIZE)
-        finally:
-            os.close(fd)
+        with _open_proc_file(pid, control_fd, control_ino) as f:
+            self.control = mmap.mmap(f.fileno(), _CONTROL_SIZE)
         self.slots: dict[int, int] = {}  # slot -> inode of the segment last seen there
 
     def block(self, slot: int, fd: int, ino: int, nbytes: int) -> np.ndarray:
@@ -655,7 +666,7 @@ class _Attachment:
             if held is None:
                 held = _held[ino] = _Held.open(self.pid, fd, ino)
             elif len(held.map) < nbytes:  # the worker grew it
-                held.map = _Held(held.fd).map
+                held.remap()
             self.slots[slot] = ino
             return np.frombuffer(held.map, dtype=np.uint8, count=nbytes)
 
@@ -688,11 +699,8 @@ def _receive_block(pid: int, control_fd: int, control_ino: int, slot: int, fd: i
 
 def _map_proc_fd(pid: int, fd: int, ino: int, size: int) -> mmap.mmap:
     """:func:`_map` of ``size`` bytes of process ``pid``'s descriptor ``fd`` (checked to be the file ``ino``)."""
-    mine = _open_proc_fd(pid, fd, ino)
-    try:
-        return _map(mine, size)
-    finally:
-        os.close(mine)
+    with _open_proc_file(pid, fd, ino) as f:
+        return _map(f.fileno(), size)
 
 
 def _receive_meta_tensor(pid: int, control_fd: int, control_ino: int, slot: int, fd: int, ino: int, nbytes: int) -> Any:
