@@ -337,8 +337,8 @@ def test_worker_killed_raises_torch_error_and_leaves_nothing(dataset):
     copy = first["image"].clone()
     pids = [w.pid for w in it._workers]
     assert memfds(pids[0])
-    os.kill(pids[0], signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):  # torch's SIGCHLD handler may raise at once
+        os.kill(pids[0], signal.SIGKILL)
         list(it)
     assert torch.equal(first["image"], copy)  # what the killed worker sent stays valid
     del it, first, loader
