@@ -622,7 +622,7 @@ class _Held:
 
     def __init__(self, file: io.FileIO) -> None:
         self.file = file
-        self.map = _map(file.fileno(), os.fstat(file.fileno()).st_size)
+        self.remap()
 
     @property
     def fd(self) -> int:
@@ -634,7 +634,7 @@ class _Held:
         return cls(_open_proc_file(pid, fd, ino))
 
     def remap(self) -> None:
-        """Map the segment again, as large as it is now (its worker grew it)."""
+        """Map the segment, as large as it is now (again when its worker grew it)."""
         self.map = _map(self.fd, os.fstat(self.fd).st_size)
 
 
